@@ -1,0 +1,869 @@
+"""cwgrpo.py: CW-GRPO and GRPO for math reasoning, in one file that reads like the paper.
+
+CW-GRPO ("Taming Extreme Tokens: Covariance-Aware GRPO with Gaussian-Kernel Advantage Reweighting",
+Wang et al., ACL 2026) reweights each token's advantage with a Gaussian kernel of its covariance score.
+Every formula cites its section of SPEC.md (the project's math reference, kept beside this repo).
+
+    python cwgrpo.py --method cw                 # the paper's 1.5B recipe (one CUDA GPU)
+    python cwgrpo.py --method cw --preset tiny   # a tiny model on a synthetic task, on a laptop CPU
+
+Sections: 1 config, 2 data, 3 reward, 4 sampling, 5 log-probs, 6 advantages, 7 token weights (the
+methods), 8 loss, 9 checkpoints, 10 the tiny preset, 11 the training loop.
+"""
+
+import argparse
+import dataclasses
+import json
+import math
+import multiprocessing
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Literal, NamedTuple
+
+import datasets
+import torch
+import torch.nn.functional as F
+import transformers
+from torch.utils.checkpoint import checkpoint
+from tqdm import tqdm
+from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, HfArgumentParser,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer)
+
+# ----------------------------------------------------------------------------------------------------
+# 1. Config
+# ----------------------------------------------------------------------------------------------------
+
+# SPEC "Base recipe": the system prompt Open-RS trains with.
+OPEN_RS_SYSTEM_PROMPT = (
+    "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
+    "The assistant first thinks about the reasoning process in the mind and then provides the user with "
+    "the answer, and put your final answer within \\boxed{} . The reasoning process and answer are enclosed "
+    "within <think> </think> and <answer> </answer> tags, respectively, i.e., <think> reasoning process "
+    "here </think> <answer> answer here </answer>. Note that respond by English, NOT use other languages."
+)
+
+METHODS: dict = {}  # name -> Method; the table is filled in section 7, and --method reads it
+
+
+@dataclass
+class Config:
+    # The defaults are the released 1.5B recipe (SPEC "Base recipe"); PRESETS below override some.
+    preset: Literal["paper-1.5b", "paper-7b", "tiny"] = field(default="paper-1.5b", metadata={
+        "help": "a whole recipe: paper-1.5b (SPEC base recipe), paper-7b, or tiny (a CPU demo with a "
+                "tiny Qwen2 built in code); any other option overrides the preset's value"})
+    method: str = field(default="cw", metadata={
+        "choices": METHODS, "help": "token-weighting method (see the table in section 7 of cwgrpo.py)"})
+    model: str = field(default="deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", metadata={
+        "help": "policy model: a Hugging Face hub id, a local folder, or 'tiny' (built in code)"})
+    dataset: str = field(default="knoveleng/open-rs", metadata={
+        "help": "training data: a hub dataset id, a local .json/.jsonl/.parquet/.csv file, or "
+                "'tiny-arithmetic' (the synthetic task of the tiny preset)"})
+    dataset_split: str = field(default="train", metadata={"help": "split of a hub dataset"})
+    question_column: str = field(default="problem", metadata={"help": "dataset column with the question"})
+    gold_column: str = field(default="solution", metadata={
+        "help": "dataset column with the reference solution (parsed by math-verify)"})
+    system_prompt: str = field(default=OPEN_RS_SYSTEM_PROMPT, metadata={
+        "help": "system message of the chat template; empty for none (default: Open-RS's prompt)"})
+    group_size: int = field(default=12, metadata={"help": "G, completions sampled per prompt"})
+    prompts_per_step: int = field(default=12, metadata={
+        "help": "prompts per optimizer step; one step sees prompts_per_step x G completions"})
+    groups_per_micro_batch: int = field(default=1, metadata={
+        "help": "whole groups per forward/backward pass (gradient accumulation covers the rest)"})
+    max_prompt_length: int = field(default=512, metadata={
+        "help": "prompts longer than this many tokens are skipped (and counted)"})
+    max_completion_length: int = field(default=4096, metadata={"help": "generation limit in tokens"})
+    temperature: float = field(default=0.7, metadata={
+        "help": "sampling temperature; log-probs use logits divided by it too (SPEC notation)"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling; 1.0 is off (paper)"})
+    top_k: int = field(default=0, metadata={"help": "top-k sampling; 0 is off (paper)"})
+    mask_truncated_completions: bool = field(default=False, metadata={
+        "help": "drop completions cut at the length limit from the loss"})
+    accuracy_weight: float = field(default=1.0, metadata={"help": "weight of the math-verify accuracy reward"})
+    format_weight: float = field(default=1.0, metadata={
+        "help": "weight of the format reward ('\\n</think>\\n' exactly once)"})
+    reward_timeout_s: float = field(default=10.0, metadata={
+        "help": "hard wall-clock limit on grading one completion; a hang scores 0"})
+    beta: float = field(default=0.04, metadata={
+        "help": "k3 KL coefficient; 0 skips loading the reference model"})
+    eps_low: float = field(default=0.2, metadata={"help": "PPO clip range below 1"})
+    eps_high: float = field(default=0.2, metadata={"help": "PPO clip range above 1"})
+    loss_aggregation: Literal["seq-mean-token-mean", "token-mean"] = field(
+        default="seq-mean-token-mean", metadata={
+            "help": "seq-mean-token-mean (original GRPO, the paper) or token-mean (DAPO)"})
+    num_iterations: int = field(default=1, metadata={
+        "help": "policy updates per rollout batch (1 in the paper: on-policy, ratio == 1)"})
+    cw_norm: Literal["padded", "valid"] = field(default="padded", metadata={
+        "help": "CW weight normalisation: padded (released code, mean 1 over padded positions) or "
+                "valid (paper wording, mean 1 over real tokens)"})
+    cw_detach: bool = field(default=False, metadata={
+        "help": "stop the gradient through the CW weights (the clean reading; the released code does not)"})
+    learning_rate: float = field(default=1e-6, metadata={"help": "peak AdamW learning rate"})
+    min_lr_ratio: float = field(default=0.1, metadata={"help": "cosine schedule ends at this fraction of the peak"})
+    warmup_ratio: float = field(default=0.1, metadata={"help": "share of steps with linear warmup"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm"})
+    steps: int = field(default=300, metadata={"help": "rollout batches to train on"})
+    save_every: int = field(default=50, metadata={"help": "write checkpoint-<step> every this many steps"})
+    seed: int = field(default=2025, metadata={"help": "seed of data order, sampling and initialisation"})
+    gradient_checkpointing: bool = field(default=True, metadata={
+        "help": "recompute activations in backward to save memory"})
+    logit_chunk_tokens: int = field(default=1024, metadata={
+        "help": "positions per chunk of the LM head + log-softmax, so memory does not scale with vocab x length"})
+    device: str = field(default="auto", metadata={"help": "auto (cuda if present), cuda or cpu"})
+    output_dir: str = field(default="", metadata={
+        "help": "where metrics, checkpoints and the final model go (default runs/<method>-<preset>-seed<seed>)"})
+    resume: bool = field(default=False, metadata={
+        "help": "continue from the newest complete checkpoint in --output-dir"})
+    overwrite_output_dir: bool = field(default=False, metadata={
+        "help": "start afresh in an --output-dir that already holds a run"})
+    warmstart_steps: int = field(default=0, metadata={
+        "help": "supervised steps on the synthetic task before RL (model 'tiny' only)"})
+
+    def __post_init__(self):
+        if self.group_size < 2:
+            raise SystemExit(f"error: --group-size must be at least 2 (group advantages need two samples); "
+                             f"got {self.group_size}")
+        if self.prompts_per_step % self.groups_per_micro_batch:
+            raise SystemExit(f"error: --prompts-per-step ({self.prompts_per_step}) must be a multiple of "
+                             f"--groups-per-micro-batch ({self.groups_per_micro_batch})")
+        if not self.output_dir:
+            self.output_dir = f"runs/{self.method}-{self.preset}-seed{self.seed}"
+
+
+PRESETS = {
+    "paper-1.5b": {},  # the Config defaults are this recipe
+    "paper-7b": dict(model="Qwen/Qwen2.5-Math-7B-Instruct", format_weight=0.0, steps=150,
+                     # Qwen2.5-Math-7B has 4,096 positions: prompt + completion must fit in them
+                     max_completion_length=3584),
+    "tiny": dict(model="tiny", dataset="tiny-arithmetic", system_prompt="", group_size=8,
+                 prompts_per_step=8, groups_per_micro_batch=8, max_prompt_length=64,
+                 max_completion_length=40, temperature=1.0, learning_rate=5e-4, warmup_ratio=0.05,
+                 steps=150, save_every=50, seed=0, gradient_checkpointing=False, warmstart_steps=250),
+}
+GPU_PRESETS = ("paper-1.5b", "paper-7b")
+
+
+def parse_config(argv=None) -> Config:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    preset_parser = argparse.ArgumentParser(add_help=False)
+    preset_parser.add_argument("--preset", default=Config.preset, choices=list(PRESETS))
+    preset = preset_parser.parse_known_args(argv)[0].preset
+    parser = HfArgumentParser(Config, description=__doc__.split("\n\n")[0],
+                              epilog="methods: " + "; ".join(f"{k}: {m.description}" for k, m in METHODS.items()))
+    parser.set_defaults(**PRESETS[preset])
+    (cfg,) = parser.parse_args_into_dataclasses(argv)
+    return cfg
+
+
+def resolve_device(cfg: Config) -> torch.device:
+    if cfg.device == "auto":
+        if cfg.preset in GPU_PRESETS and not torch.cuda.is_available():
+            raise SystemExit(f"error: --preset {cfg.preset} is a GPU recipe and no CUDA GPU was found; "
+                             f"run the CPU demo with --preset tiny (or force --device cpu)")
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda but no CUDA GPU was found; use --device cpu or --preset tiny")
+    return torch.device(cfg.device)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 2. Data
+# ----------------------------------------------------------------------------------------------------
+
+LOCAL_DATA_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def load_rows(name: str, split: str, question_column: str, gold_column: str) -> datasets.Dataset:
+    """A hub dataset or a local file, checked to have the question and gold columns."""
+    path = Path(name)
+    try:
+        if path.suffix in LOCAL_DATA_FORMATS:
+            if not path.is_file():
+                raise SystemExit(f"error: dataset file {name} does not exist")
+            rows = datasets.load_dataset(LOCAL_DATA_FORMATS[path.suffix], data_files=str(path), split="train")
+        else:
+            rows = datasets.load_dataset(name, split=split)
+    except (ConnectionError, OSError, ValueError, datasets.exceptions.DatasetNotFoundError) as e:
+        raise SystemExit(f"error: cannot load dataset '{name}' (split '{split}'): {first_line(e)}. "
+                         f"Check the name, or download it while online (it is then read from the cache), "
+                         f"or pass a local .json/.jsonl/.parquet/.csv file") from None
+    missing = [c for c in (question_column, gold_column) if c not in rows.column_names]
+    if missing:
+        raise SystemExit(f"error: dataset '{name}' has no column {', '.join(map(repr, missing))}; "
+                         f"columns found: {', '.join(rows.column_names)}. "
+                         f"Set --question-column and --gold-column")
+    return rows
+
+
+def first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def chat_prompt_ids(tokenizer, question: str, system_prompt: str) -> list[int]:
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
+    messages.append({"role": "user", "content": question})
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+
+
+class PromptStream:
+    """Tokenised prompts served in seeded shuffled order, epoch after epoch.
+
+    The position is a plain count of prompts served, so a checkpoint stores one integer.
+    """
+
+    def __init__(self, rows: datasets.Dataset, tokenizer, cfg: Config):
+        self.items, self.skipped = [], 0
+        for question, gold in zip(rows[cfg.question_column], rows[cfg.gold_column]):
+            ids = chat_prompt_ids(tokenizer, str(question), cfg.system_prompt)
+            if len(ids) > cfg.max_prompt_length:
+                self.skipped += 1
+            else:
+                self.items.append((ids, str(gold)))
+        if not self.items:
+            raise SystemExit(f"error: every prompt is longer than --max-prompt-length {cfg.max_prompt_length}")
+        self.seed, self.position = cfg.seed, 0
+
+    def next_batch(self, n: int) -> list[tuple[list[int], str]]:
+        batch = []
+        for _ in range(n):
+            epoch, index = divmod(self.position, len(self.items))
+            order = torch.randperm(len(self.items), generator=torch.Generator().manual_seed(self.seed + epoch))
+            batch.append(self.items[order[index]])
+            self.position += 1
+        return batch
+
+
+# ----------------------------------------------------------------------------------------------------
+# 3. Reward (SPEC "Base recipe", Rewards)
+# ----------------------------------------------------------------------------------------------------
+
+class Grade(NamedTuple):
+    accuracy: float
+    gold_parsed: bool  # False: the gold could not be parsed, so the score is 0 by rule
+    timed_out: bool
+
+
+def grade_accuracy(completion: str, gold: str) -> Grade:
+    """math-verify accuracy, gold first (verify is not symmetric). Runs inside the grading worker."""
+    from latex2sympy2_extended import NormalizationConfig
+    from math_verify import LatexExtractionConfig, parse, verify
+
+    gold_parsed = parse(gold)  # math-verify's default extraction (LaTeX, then plain expressions)
+    if not gold_parsed:
+        return Grade(0.0, False, False)
+    prediction = parse(completion, extraction_mode="first_match", extraction_config=[LatexExtractionConfig(
+        normalization_config=NormalizationConfig(basic_latex=True, units=True, malformed_operators=False,
+                                                 nits=False, boxed="all", equations=False),
+        boxed_match_priority=0, try_extract_without_anchor=False)])
+    return Grade(float(verify(gold_parsed, prediction)), True, False)
+
+
+def grading_worker(conn) -> None:
+    import logging
+    logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # its timeout warnings, one per hang
+    while True:
+        try:
+            completion, gold = conn.recv()
+        except EOFError:
+            return
+        try:
+            conn.send(grade_accuracy(completion, gold))
+        except Exception:  # noqa: BLE001 - any failure inside the grader is a wrong answer, not a crash
+            conn.send(Grade(0.0, True, False))
+
+
+class Grader:
+    """Grades in a child process that is killed when it overruns the time limit.
+
+    math-verify's own timeout uses SIGALRM, which works only on a main thread and cannot interrupt a long
+    C-level computation (sympy evaluating 9^9^9^9); killing a process always works. Results are cached,
+    which never changes a score: grading is a pure function of (completion, gold).
+    """
+
+    def __init__(self, timeout_s: float = 10.0, max_cache: int = 200_000):
+        self.timeout_s, self.max_cache, self.cache = timeout_s, max_cache, {}
+        self.context = multiprocessing.get_context(
+            "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+        self.process = None
+
+    def start_worker(self) -> None:
+        self.conn, child_conn = self.context.Pipe()
+        self.process = self.context.Process(target=grading_worker, args=(child_conn,), daemon=True)
+        self.process.start()
+        child_conn.close()
+
+    def kill_worker(self) -> None:
+        self.process.kill()
+        self.process.join()
+        self.process = None
+
+    def grade(self, completion: str, gold: str) -> Grade:
+        key = (completion, gold)
+        if key not in self.cache:
+            if self.process is None:
+                self.start_worker()
+            self.conn.send(key)
+            try:
+                result = self.conn.recv() if self.conn.poll(self.timeout_s) else None
+            except EOFError:  # the worker died (a crash inside sympy, say): a wrong answer
+                result = Grade(0.0, True, False)
+            if result is None or not self.process.is_alive():
+                self.kill_worker()
+            if len(self.cache) >= self.max_cache:
+                self.cache.clear()
+            self.cache[key] = result or Grade(0.0, True, True)
+        return self.cache[key]
+
+
+_default_grader = None
+
+
+def math_reward(completion: str, gold: str, timeout_s: float = 10.0) -> float:
+    """The accuracy reward of SPEC: 1.0 if math-verify finds the completion's answer equal to the gold."""
+    global _default_grader
+    if _default_grader is None or _default_grader.timeout_s != timeout_s:
+        _default_grader = Grader(timeout_s)
+    return _default_grader.grade(completion, gold).accuracy
+
+
+def format_reward(completion: str) -> float:
+    return float(completion.count("\n</think>\n") == 1)  # SPEC Rewards: format
+
+
+# ----------------------------------------------------------------------------------------------------
+# 4. Sampling
+# ----------------------------------------------------------------------------------------------------
+
+@dataclass
+class Rollout:
+    """One rollout batch: N = prompts x G completions, consecutive rows forming a group."""
+    prompt_ids: torch.Tensor       # (N, P) left-padded
+    prompt_mask: torch.Tensor      # (N, P)
+    completion_ids: torch.Tensor   # (N, T) right-padded
+    completion_mask: torch.Tensor  # (N, T) float, 1 up to and including the first EOS
+    truncated: torch.Tensor        # (N,) bool, no EOS within the limit
+    texts: list
+    golds: list
+    rewards: torch.Tensor = None
+    advantages: torch.Tensor = None
+    old_logp: torch.Tensor = None  # only when num_iterations > 1; else old == current, detached
+    ref_logp: torch.Tensor = None  # only when beta > 0
+
+    def rows(self, start: int, stop: int) -> "Rollout":
+        """Rows [start, stop) with their all-padding columns trimmed off."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = value[start:stop] if value is not None else None
+        prompt_keep = out["prompt_mask"].any(0).nonzero()[0, 0]
+        completion_len = int(out["completion_mask"].sum(1).max())
+        for name in ("prompt_ids", "prompt_mask"):
+            out[name] = out[name][:, prompt_keep:]
+        for name in ("completion_ids", "completion_mask", "old_logp", "ref_logp"):
+            if out[name] is not None:
+                out[name] = out[name][:, :completion_len]
+        return Rollout(**out)
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    ids = model.generation_config.eos_token_id
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    return ids or [tokenizer.eos_token_id]
+
+
+@torch.no_grad()
+def sample(model, tokenizer, batch: list[tuple[list[int], str]], cfg: Config) -> Rollout:
+    """G completions per prompt with HF generate, left padding, plain temperature sampling."""
+    device = next(model.parameters()).device
+    width = max(len(ids) for ids, _ in batch)
+    pad = tokenizer.pad_token_id
+    prompt_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids, _ in batch], device=device)
+    prompt_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _ in batch], device=device)
+    prompt_ids = prompt_ids.repeat_interleave(cfg.group_size, 0)
+    prompt_mask = prompt_mask.repeat_interleave(cfg.group_size, 0)
+    eos = eos_token_ids(model, tokenizer)
+    generation = GenerationConfig(
+        do_sample=True, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+        max_new_tokens=cfg.max_completion_length, pad_token_id=pad, eos_token_id=eos)
+    model.eval()
+    output = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation)
+    completion_ids = output[:, width:]
+    completion_mask, truncated = completion_mask_after_eos(completion_ids, eos)
+    texts = tokenizer.batch_decode([ids[: int(n)] for ids, n in zip(completion_ids, completion_mask.sum(1))],
+                                   skip_special_tokens=True)
+    golds = [gold for _, gold in batch for _ in range(cfg.group_size)]
+    return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts, golds)
+
+
+def completion_mask_after_eos(completion_ids: torch.Tensor, eos: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """1 for every token up to and including the first EOS, 0 after; and which rows never hit EOS."""
+    is_eos = torch.isin(completion_ids, torch.tensor(eos, device=completion_ids.device))
+    truncated = ~is_eos.any(1)
+    first_eos = torch.where(truncated, completion_ids.shape[1], is_eos.int().argmax(1))
+    positions = torch.arange(completion_ids.shape[1], device=completion_ids.device)
+    return (positions[None, :] <= first_eos[:, None]).float(), truncated
+
+
+# ----------------------------------------------------------------------------------------------------
+# 5. Log-probs and entropy, chunked over positions
+# ----------------------------------------------------------------------------------------------------
+
+def head_chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                        temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(target) and entropy for a chunk of positions (SPEC notation: temperature-scaled logits)."""
+    logits = F.linear(hidden, weight).float() / temperature
+    logp_all = logits.log_softmax(-1)
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp_all.gather(-1, targets[:, None]).squeeze(-1), entropy
+
+
+def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
+                     chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Never holds more than chunk_tokens x vocab logits: with gradient each chunk is recomputed in
+    backward (activation checkpointing), so only the hidden states are kept between passes."""
+    logps, entropies = [], []
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        args = (hidden[start:start + chunk_tokens], weight, targets[start:start + chunk_tokens], temperature)
+        if torch.is_grad_enabled():
+            logp, entropy = checkpoint(head_chunk_logprobs, *args, use_reentrant=False)
+        else:
+            logp, entropy = head_chunk_logprobs(*args)
+        logps.append(logp)
+        entropies.append(entropy)
+    return torch.cat(logps), torch.cat(entropies)
+
+
+def completion_logprobs(model, rollout: Rollout, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, T) log-probs of the sampled completion tokens and the entropies there, 0 on padding."""
+    input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
+    attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask.long()], 1)
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # as generate() numbers left-padded rows
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                 position_ids=position_ids, use_cache=False).last_hidden_state
+    prompt_width = rollout.prompt_ids.shape[1]
+    hidden = hidden[:, prompt_width - 1:-1]  # the state at position t predicts completion token t
+    valid = rollout.completion_mask.bool()
+    logp_valid, entropy_valid = chunked_logprobs(hidden[valid], model.get_output_embeddings().weight,
+                                                 rollout.completion_ids[valid], cfg.temperature,
+                                                 cfg.logit_chunk_tokens)
+    logp = torch.zeros(valid.shape, device=hidden.device, dtype=logp_valid.dtype)
+    entropy = torch.zeros_like(logp)
+    logp[valid] = logp_valid
+    entropy[valid] = entropy_valid
+    return logp, entropy
+
+
+# ----------------------------------------------------------------------------------------------------
+# 6. Advantages
+# ----------------------------------------------------------------------------------------------------
+
+def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """SPEC notation: A = (R - mean(R)) / (std(R) + 1e-4) within each group, Bessel std."""
+    groups = rewards.view(-1, group_size)
+    advantages = (groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)
+    return advantages.view(-1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 7. Token weights: the methods
+# ----------------------------------------------------------------------------------------------------
+
+class Group(NamedTuple):
+    """What a method may look at for one group of G responses (T = the micro-batch's longest)."""
+    logp: torch.Tensor      # (G, T) with gradient
+    old_logp: torch.Tensor  # (G, T) rollout policy, no gradient
+    advantages: torch.Tensor  # (G,)
+    mask: torch.Tensor      # (G, T) 0/1
+    entropy: torch.Tensor   # (G, T) no gradient
+
+
+def grpo_weights(group: Group, cfg: Config) -> torch.Tensor:
+    return group.mask  # SPEC "grpo": w = 1
+
+
+def cw_weights(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *, norm: str = "padded",
+               detach: bool = False) -> torch.Tensor:
+    """CW-GRPO's Gaussian-kernel covariance weights for one group (SPEC "cw", steps 1-8)."""
+    tokens_per_response = mask.sum(1)
+    mu = (logp * mask).sum(1) / tokens_per_response.clamp(min=1)            # 1. own mean log-prob
+    centred_adv = adv - adv.mean()                                           # 2.
+    score = (logp - mu[:, None]) * centred_adv[:, None] * mask               # 3. covariance score
+    n_valid = mask.sum()
+    score_mean = score.sum() / n_valid
+    variance = ((score - score_mean) ** 2 * mask).sum() / n_valid             # 4. ddof=0, valid tokens
+    # sqrt'(0) is infinite: when every score is 0 (equal rewards) take sigma = 1e-8 with zero gradient
+    sigma = torch.where(variance > 0, variance, 1.0).sqrt() * (variance > 0) + 1e-8
+    kernel = torch.exp(-score ** 2 / (2 * sigma ** 2)) * mask                # 5.
+    if norm == "padded":                                                     # 6. released code
+        total = mask.shape[0] * tokens_per_response.max()
+    elif norm == "valid":                                                    # 6. paper wording
+        total = n_valid
+    else:
+        raise ValueError(f"cw_weights: norm must be 'padded' or 'valid', got {norm!r}")
+    weights = kernel * total / kernel.sum()
+    return weights.detach() if detach else weights                           # 7.
+
+
+def cw_method_weights(group: Group, cfg: Config) -> torch.Tensor:
+    return cw_weights(group.logp, group.advantages, group.mask, norm=cfg.cw_norm, detach=cfg.cw_detach)
+
+
+class Method(NamedTuple):
+    token_weights: Callable[[Group, Config], torch.Tensor]  # per-token weight on the PG term, per group
+    description: str
+
+
+METHODS.update({
+    "grpo": Method(grpo_weights, "GRPO baseline, every token weight 1 (SPEC grpo)"),
+    "cw": Method(cw_method_weights, "CW-GRPO, Gaussian-kernel covariance weights (Wang et al. 2026; SPEC cw)"),
+})
+
+
+# ----------------------------------------------------------------------------------------------------
+# 8. Loss
+# ----------------------------------------------------------------------------------------------------
+
+def token_losses(logp, old_logp, ref_logp, advantages, weights, cfg: Config) -> dict:
+    """SPEC notation: per-token loss w * pg + beta * k3; PPO-clip PG term, k3 KL never weighted."""
+    ratio = torch.exp(logp - old_logp)
+    adv = advantages[:, None]
+    clipped_ratio = ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
+    pg = -torch.min(ratio * adv, clipped_ratio * adv)
+    loss = weights * pg
+    kl = torch.zeros_like(logp)
+    if ref_logp is not None:
+        kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
+        loss = loss + cfg.beta * kl
+    is_clipped = ((ratio < 1 - cfg.eps_low) & (adv < 0)) | ((ratio > 1 + cfg.eps_high) & (adv > 0))
+    return {"loss": loss, "kl": kl.detach(), "clipped": is_clipped}
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, n_responses: int, n_tokens: int):
+    """The step's loss summed over micro-batches: divide by step-wide totals, not micro-batch ones."""
+    if mode == "seq-mean-token-mean":
+        return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / n_responses
+    return (per_token * mask).sum() / n_tokens
+
+
+def micro_batch_loss(model, rollout: Rollout, cfg: Config, n_responses: int, n_tokens: int):
+    logp, entropy = completion_logprobs(model, rollout, cfg)
+    old_logp = rollout.old_logp if rollout.old_logp is not None else logp.detach()
+    mask = rollout.completion_mask
+    method = METHODS[cfg.method]
+    weights = torch.cat([
+        method.token_weights(Group(logp[g], old_logp[g], rollout.advantages[g], mask[g], entropy[g]), cfg)
+        for g in (slice(i, i + cfg.group_size) for i in range(0, len(mask), cfg.group_size))])
+    terms = token_losses(logp, old_logp, rollout.ref_logp, rollout.advantages, weights, cfg)
+    loss = aggregate(terms["loss"], mask, cfg.loss_aggregation, n_responses, n_tokens)
+    valid = mask.bool()
+    return loss, {"entropy": entropy[valid], "kl": terms["kl"][valid], "clipped": terms["clipped"][valid].float(),
+                  "w": weights.detach()[valid]}
+
+
+# ----------------------------------------------------------------------------------------------------
+# 9. Checkpoints
+# ----------------------------------------------------------------------------------------------------
+
+def save_checkpoint(output_dir: Path, name: str, model, tokenizer, trainer_state: dict | None = None) -> Path:
+    """Written under a temporary name and renamed at the end: a crash mid-save leaves no complete-looking
+    checkpoint."""
+    final, partial = output_dir / name, output_dir / f".{name}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    if trainer_state is not None:
+        torch.save(trainer_state, partial / "trainer_state.pt")
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(partial, final)
+    return final
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    steps = [int(p.name.split("-")[1]) for p in output_dir.glob("checkpoint-*")
+             if p.name.split("-")[1].isdigit() and (p / "trainer_state.pt").is_file()]
+    return output_dir / f"checkpoint-{max(steps)}" if steps else None
+
+
+def rng_states() -> dict:
+    states = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    random.setstate(states["python"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+# ----------------------------------------------------------------------------------------------------
+# 10. The tiny preset: a tiny Qwen2, a synthetic task in \boxed{} form, a supervised warm-start
+# ----------------------------------------------------------------------------------------------------
+
+CHATML_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def byte_level_qwen2_tokenizer() -> Qwen2Tokenizer:
+    """Qwen2's byte-level BPE with no merges: 256 byte tokens plus the ChatML specials."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    vocab = {char: byte for byte, char in bytes_to_unicode().items()}
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                               unk_token=None, additional_special_tokens=["<|im_start|>"])
+    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def tiny_qwen2(tokenizer, seed: int) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
+def tiny_arithmetic(seed: int, n: int = 2000) -> datasets.Dataset:
+    """Two-number sums; the gold is written in \\boxed{} like a MATH solution, so math_reward grades it."""
+    rng = random.Random(seed)
+    pairs = [(rng.randrange(10), rng.randrange(10)) for _ in range(n)]
+    return datasets.Dataset.from_dict({"problem": [f"{a}+{b}" for a, b in pairs],
+                                       "solution": [f"\\boxed{{{a + b}}}" for a, b in pairs]})
+
+
+def tiny_targets(question: str) -> list[str]:
+    """The completions the warm-start imitates, half of them with the think-close tag off format, so
+    the model starts at about 50% format reward and RL has a first thing to learn; then the sums."""
+    a, b = map(int, question.split("+"))
+    return [f"{a}+{b}={a + b}\n</think>\n\\boxed{{{a + b}}}", f"{a}+{b}={a + b} </think> \\boxed{{{a + b}}}"]
+
+
+def warm_start(model, tokenizer, rows: datasets.Dataset, cfg: Config) -> None:
+    """Next-token cross-entropy on reference completions for a few seconds: the format, some of the sums."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    examples = []
+    for question in rows[cfg.question_column]:
+        prompt = chat_prompt_ids(tokenizer, question, cfg.system_prompt)
+        for target in tiny_targets(question):
+            answer = tokenizer(target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            examples.append((prompt + answer, len(prompt)))
+    model.train()
+    for _ in range(cfg.warmstart_steps):
+        batch = random.sample(examples, 32)
+        width = max(len(ids) for ids, _ in batch)
+        input_ids = torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids, _ in batch])
+        labels = torch.tensor([[-100] * n + ids[n:] + [-100] * (width - len(ids)) for ids, n in batch])
+        loss = model(input_ids=input_ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def prepare_tiny_base_model(output_dir: Path, cfg: Config) -> Path:
+    """Build, warm-start and save the tiny base model once; the run then treats it like a hub model."""
+    path = output_dir / "base-model"
+    if not (path / "config.json").is_file():
+        tokenizer = byte_level_qwen2_tokenizer()
+        model = tiny_qwen2(tokenizer, cfg.seed)
+        random.seed(cfg.seed)
+        warm_start(model, tokenizer, load_training_rows(cfg), cfg)
+        save_checkpoint(output_dir, "base-model", model, tokenizer)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------
+# 11. The training loop
+# ----------------------------------------------------------------------------------------------------
+
+def load_training_rows(cfg: Config) -> datasets.Dataset:
+    if cfg.dataset == "tiny-arithmetic":
+        return tiny_arithmetic(cfg.seed)
+    return load_rows(cfg.dataset, cfg.dataset_split, cfg.question_column, cfg.gold_column)
+
+
+def load_model(path: str, dtype: torch.dtype, device: torch.device):
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except OSError as e:
+        raise SystemExit(f"error: cannot load model '{path}': {first_line(e)} Download it while online "
+                         f"(huggingface-cli download {path}) or pass a local folder with --model") from None
+    return model.to(device)
+
+
+def load_tokenizer(path: str):
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    except OSError as e:
+        raise SystemExit(f"error: cannot load the tokenizer of '{path}': {first_line(e)}") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def prepare_output_dir(cfg: Config) -> Path:
+    output_dir = Path(cfg.output_dir)
+    if (output_dir / "metrics.jsonl").exists() and not cfg.resume:
+        if not cfg.overwrite_output_dir:
+            raise SystemExit(f"error: {output_dir} already holds a run; pass --resume to continue it, "
+                             f"--overwrite-output-dir to start afresh, or choose another --output-dir")
+        shutil.rmtree(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "run_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    return output_dir
+
+
+@torch.no_grad()
+def score_rollout(rollout: Rollout, grader: Grader, cfg: Config) -> dict:
+    grades = [grader.grade(text, gold) for text, gold in zip(rollout.texts, rollout.golds)]
+    accuracy = torch.tensor([g.accuracy for g in grades])
+    formats = torch.tensor([format_reward(text) for text in rollout.texts])
+    rollout.rewards = cfg.accuracy_weight * accuracy + cfg.format_weight * formats
+    rollout.advantages = group_advantages(rollout.rewards, cfg.group_size).to(rollout.completion_ids.device)
+    if cfg.mask_truncated_completions:
+        rollout.completion_mask = rollout.completion_mask * (~rollout.truncated)[:, None]
+    group_std = rollout.rewards.view(-1, cfg.group_size).std(1)
+    return {"reward_mean": rollout.rewards.mean().item(), "reward_std": rollout.rewards.std().item(),
+            "accuracy_mean": accuracy.mean().item(), "format_mean": formats.mean().item(),
+            "frac_zero_std_groups": (group_std == 0).float().mean().item(),
+            "completion_len_mean": rollout.completion_mask.sum(1).mean().item(),
+            "truncated_frac": rollout.truncated.float().mean().item(),
+            "gold_unparseable": sum(not g.gold_parsed for g in grades),
+            "grading_timeouts": sum(g.timed_out for g in grades)}
+
+
+@torch.no_grad()
+def rollout_logprobs(model, rollout: Rollout, cfg: Config) -> torch.Tensor:
+    """Log-probs of a whole rollout batch under `model` (old policy or reference), micro-batch by micro-batch."""
+    rows = cfg.groups_per_micro_batch * cfg.group_size
+    full = torch.zeros_like(rollout.completion_mask)
+    for start in range(0, len(rollout.texts), rows):
+        part = rollout.rows(start, start + rows)
+        full[start:start + rows, : part.completion_ids.shape[1]] = completion_logprobs(model, part, cfg)[0]
+    return full
+
+
+def update(model, optimizer, scheduler, rollout: Rollout, cfg: Config, autocast) -> dict:
+    """One optimizer step over the rollout batch, accumulating gradients over micro-batches of whole groups."""
+    model.train()
+    n_responses = len(rollout.texts)
+    n_tokens = int(rollout.completion_mask.sum().clamp(min=1))
+    rows = cfg.groups_per_micro_batch * cfg.group_size
+    total_loss, parts = 0.0, []
+    for start in range(0, n_responses, rows):
+        with autocast():
+            loss, stats = micro_batch_loss(model, rollout.rows(start, start + rows), cfg, n_responses, n_tokens)
+        loss.backward()
+        total_loss += loss.item()
+        parts.append(stats)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+    lr = scheduler.get_last_lr()[0]
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    stat = {k: torch.cat([p[k] for p in parts]).float() for k in parts[0]}
+    w = stat["w"]
+    return {"loss": total_loss, "grad_norm": grad_norm.item(), "lr": lr,
+            "entropy_mean": stat["entropy"].mean().item(), "kl_mean": stat["kl"].mean().item(),
+            "clip_frac": stat["clipped"].mean().item(), "w_mean": w.mean().item(),
+            "w_std": w.std().item() if len(w) > 1 else 0.0, "w_min": w.min().item(), "w_max": w.max().item(),
+            "w_frac_below_half": (w < 0.5).float().mean().item(), "w_frac_above_2": (w > 2).float().mean().item()}
+
+
+def train(cfg: Config) -> Path:
+    device = resolve_device(cfg)
+    output_dir = prepare_output_dir(cfg)
+    transformers.utils.logging.disable_progress_bar()
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    base_model = str(prepare_tiny_base_model(output_dir, cfg)) if cfg.model == "tiny" else cfg.model
+    resume_from = latest_checkpoint(output_dir) if cfg.resume else None
+
+    tokenizer = load_tokenizer(str(resume_from or base_model))
+    model = load_model(str(resume_from or base_model), torch.float32, device)  # fp32 master weights
+    on_cuda = device.type == "cuda"
+    half = torch.bfloat16 if on_cuda else torch.float32
+    reference = load_model(base_model, half, device).eval().requires_grad_(False) if cfg.beta > 0 else None
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    prompts = PromptStream(load_training_rows(cfg), tokenizer, cfg)
+    if prompts.skipped:
+        print(f"skipped {prompts.skipped} prompts longer than --max-prompt-length {cfg.max_prompt_length}")
+    grader = Grader(cfg.reward_timeout_s)
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    total_updates = cfg.steps * cfg.num_iterations
+    scheduler = transformers.get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, int(cfg.warmup_ratio * total_updates), total_updates, min_lr_rate=cfg.min_lr_ratio)
+    start_step = 0
+    if resume_from is not None:
+        state = torch.load(resume_from / "trainer_state.pt", weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        set_rng_states(state["rng"])
+        start_step, prompts.position = state["step"], state["data_position"]
+        print(f"resumed from {resume_from}")
+    else:
+        torch.manual_seed(cfg.seed)
+    metrics_path = output_dir / "metrics.jsonl"
+    keep_metrics_until(metrics_path, start_step)
+
+    def autocast():
+        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_cuda)
+
+    progress = tqdm(range(start_step, cfg.steps), initial=start_step, total=cfg.steps, desc=cfg.method)
+    for step in progress:
+        t0 = time.perf_counter()
+        with autocast():
+            rollout = sample(model, tokenizer, prompts.next_batch(cfg.prompts_per_step), cfg)
+            rollout_metrics = score_rollout(rollout, grader, cfg)
+            if cfg.num_iterations > 1:
+                rollout.old_logp = rollout_logprobs(model, rollout, cfg)
+            if reference is not None:
+                rollout.ref_logp = rollout_logprobs(reference, rollout, cfg)
+        rollout_s = time.perf_counter() - t0
+        for iteration in range(cfg.num_iterations):
+            t1 = time.perf_counter()
+            record = {"step": step * cfg.num_iterations + iteration + 1, "rollout_step": step + 1,
+                      **rollout_metrics, **update(model, optimizer, scheduler, rollout, cfg, autocast),
+                      "prompts_skipped": prompts.skipped, "rollout_s": rollout_s,
+                      "update_s": time.perf_counter() - t1}
+            tokens = rollout.completion_mask.sum().item()
+            record["tokens_per_s"] = tokens / (record["rollout_s"] + record["update_s"])
+            with metrics_path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        progress.set_postfix(reward=f"{record['reward_mean']:.3f}", entropy=f"{record['entropy_mean']:.3f}")
+        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+            save_checkpoint(output_dir, f"checkpoint-{step + 1}", model, tokenizer, {
+                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_states(),
+                "step": step + 1, "data_position": prompts.position})
+    save_checkpoint(output_dir, "final-model", model, tokenizer)
+    return output_dir
+
+
+def keep_metrics_until(metrics_path: Path, rollout_step: int) -> None:
+    """On resume, drop the records of steps after the checkpoint: they are about to be redone."""
+    if metrics_path.exists():
+        kept = [line for line in metrics_path.read_text().splitlines()
+                if line and json.loads(line)["rollout_step"] <= rollout_step]
+        metrics_path.write_text("".join(line + "\n" for line in kept))
+
+
+def main(argv=None) -> None:
+    cfg = parse_config(argv)
+    output_dir = train(cfg)
+    print(f"done: metrics in {output_dir / 'metrics.jsonl'}, model in {output_dir / 'final-model'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,353 @@
+"""Focused tests for cwgrpo.py: exact values on hand-computed cases, invariants, short tiny-model runs.
+
+Run: python -m pytest -q test_cwgrpo.py   (CPU, no network)
+"""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import cwgrpo  # noqa: E402
+from cwgrpo import Grader, cw_weights, format_reward, group_advantages, math_reward  # noqa: E402
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def hf_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+# ---------------------------------------------------------------------------------------------- cw
+
+# Hand-computed case: G = 2, T_pad = 3, the first response has 2 tokens and the second 3.
+# mu = (-1.5, -1.0); centred advantages (1, -1); scores c = (0.5, -0.5 | -0.5, 0.5, 0) on the five real
+# tokens: mean 0, variance 4 * 0.25 / 5 = 0.2; kernel exp(-0.25 / 0.4) = exp(-0.625) where |c| = 0.5, 1 at c = 0.
+LOGP = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -1.5, -1.0]])
+MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+ADV = torch.tensor([1.0, -1.0])
+KERNEL_SUM = 4 * math.exp(-0.625) + 1
+
+
+@pytest.mark.parametrize("norm,total", [("padded", 2 * 3), ("valid", 5)])
+@pytest.mark.parametrize("detach", [False, True])
+def test_cw_weights_hand_computed(norm, total, detach):
+    logp = LOGP.clone().requires_grad_(True)
+    w = cw_weights(logp, ADV, MASK, norm=norm, detach=detach)
+    edge, centre = math.exp(-0.625) * total / KERNEL_SUM, total / KERNEL_SUM
+    expected = torch.tensor([[edge, edge, 0.0], [edge, edge, centre]])
+    torch.testing.assert_close(w, expected, rtol=1e-6, atol=1e-7)
+    assert w.requires_grad is (not detach)
+
+
+def test_cw_gradient_flows_through_weights_only_when_not_detached():
+    logp = LOGP.clone().requires_grad_(True)
+    (cw_weights(logp, ADV, MASK) * torch.arange(6.0).view(2, 3)).sum().backward()
+    assert logp.grad.abs().sum() > 0
+    assert torch.isfinite(logp.grad).all()
+    assert logp.grad[0, 2] == 0  # padding gets no gradient
+    assert not cw_weights(logp, ADV, MASK, detach=True).requires_grad
+
+
+def random_group(seed, G=6, T=9):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, T + 1, (G,), generator=g)
+    mask = (torch.arange(T)[None] < lengths[:, None]).float()
+    logp = -torch.rand(G, T, generator=g) * 5 * mask
+    adv = torch.randn(G, generator=g)
+    return logp, adv, mask
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_cw_weight_means(seed):
+    logp, adv, mask = random_group(seed)
+    padded = cw_weights(logp, adv, mask, norm="padded")
+    valid = cw_weights(logp, adv, mask, norm="valid")
+    t_pad = int(mask.sum(1).max())
+    assert padded[:, :t_pad].mean().item() == pytest.approx(1.0, abs=1e-6)
+    assert (valid.sum() / mask.sum()).item() == pytest.approx(1.0, abs=1e-6)
+    assert ((padded * mask).sum() / mask.sum()).item() >= 1.0 - 1e-6
+    assert (padded[mask == 0] == 0).all() and (valid[mask == 0] == 0).all()
+
+
+def test_cw_zero_advantages_give_uniform_weights_and_finite_gradient():
+    logp, _, mask = random_group(0)
+    logp.requires_grad_(True)
+    valid = cw_weights(logp, torch.zeros(6), mask, norm="valid")
+    assert torch.equal(valid, mask)  # exactly 1 on real tokens
+    padded = cw_weights(logp, torch.full((6,), 0.7), mask, norm="padded")
+    constant = 6 * mask.sum(1).max() / mask.sum()
+    torch.testing.assert_close(padded, constant * mask)
+    padded.sum().backward()
+    assert torch.isfinite(logp.grad).all()
+
+
+def test_cw_one_token_responses_and_equal_scores_have_no_nan():
+    mask = torch.tensor([[1.0], [1.0], [1.0]])
+    logp = torch.tensor([[-0.3], [-2.0], [-1.0]], requires_grad=True)  # one token: logp == own mean, c = 0
+    w = cw_weights(logp, torch.tensor([1.0, -1.0, 0.0]), mask, norm="padded")
+    torch.testing.assert_close(w, torch.ones(3, 1))
+    w.sum().backward()
+    assert torch.isfinite(logp.grad).all()
+
+
+def test_cw_rejects_unknown_norm():
+    with pytest.raises(ValueError, match="norm"):
+        cw_weights(LOGP, ADV, MASK, norm="mean")
+
+
+# -------------------------------------------------------------------------------------- advantages
+
+def test_group_advantages_hand_computed():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])
+    bessel_std = math.sqrt(4 * 0.25 / 3)
+    expected = torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]) / torch.tensor([bessel_std + 1e-4] * 4 + [1e-4] * 4)
+    torch.testing.assert_close(group_advantages(rewards, 4), expected)
+
+
+# ------------------------------------------------------------------------------------------ reward
+
+@pytest.mark.parametrize("completion,gold,score", [
+    ("so the answer is \\boxed{0.5}", "\\boxed{\\frac{1}{2}}", 1.0),
+    ("\\boxed{\\dfrac{1}{2}}", "$\\frac{1}{2}$", 1.0),
+    ("We get \\boxed{1/2}, which checks out.", "\\boxed{\\frac12}", 1.0),
+    ("<think>\n3+4=7\n</think>\n\\boxed{7}", "7", 1.0),
+    ("\\boxed{6}", "\\boxed{7}", 0.0),
+    ("I do not know", "7", 0.0),
+    ("\\boxed{\\frac{1}{", "\\boxed{7}", 0.0),
+])
+def test_math_reward(completion, gold, score):
+    assert math_reward(completion, gold) == score
+
+
+def test_unparseable_gold_scores_zero_and_is_flagged():
+    grade = Grader(timeout_s=10).grade("\\boxed{5}", "no mathematics here")
+    assert grade.accuracy == 0.0 and grade.gold_parsed is False
+
+
+def test_hanging_input_returns_zero_within_limit():
+    grader = Grader(timeout_s=1.0)
+    start = time.perf_counter()
+    grade = grader.grade("\\boxed{9^{9^{9^{9}}}}", "5")  # sympy evaluates the tower for minutes
+    assert grade.accuracy == 0.0 and grade.timed_out
+    assert time.perf_counter() - start < 5
+    assert grader.grade("\\boxed{5}", "5").accuracy == 1.0  # a fresh worker took over
+
+
+def test_format_reward():
+    assert format_reward("<think>\nwork\n</think>\n\\boxed{1}") == 1.0
+    assert format_reward("no tags \\boxed{1}") == 0.0
+    assert format_reward("a\n</think>\nb\n</think>\n") == 0.0
+
+
+# ------------------------------------------------------------------------------- sampling, logprobs
+
+def test_completion_mask_after_first_eos():
+    eos, pad = 9, 0
+    ids = torch.tensor([[5, 6, eos, pad, pad], [eos, eos, pad, pad, pad], [1, 2, 3, 4, 5]])
+    mask, truncated = cwgrpo.completion_mask_after_eos(ids, [eos, 8])
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
+    assert truncated.tolist() == [False, False, True]
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 100])
+def test_chunked_logprobs_equal_direct(chunk):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(11, 8, generator=g, requires_grad=True)
+    weight = torch.randn(50, 8, generator=g, requires_grad=True)
+    targets = torch.randint(0, 50, (11,), generator=g)
+    logp, entropy = cwgrpo.chunked_logprobs(hidden, weight, targets, 0.7, chunk)
+    (logp * torch.arange(11.0)).sum().backward()
+    grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+
+    direct_all = (hidden @ weight.T / 0.7).log_softmax(-1)
+    direct = direct_all.gather(-1, targets[:, None]).squeeze(-1)
+    (direct * torch.arange(11.0)).sum().backward()
+    torch.testing.assert_close(logp, direct)
+    torch.testing.assert_close(entropy, -(direct_all.exp() * direct_all).sum(-1).detach())
+    torch.testing.assert_close(grads[0], hidden.grad)
+    torch.testing.assert_close(grads[1], weight.grad)
+    assert not entropy.requires_grad
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    tokenizer = cwgrpo.byte_level_qwen2_tokenizer()
+    return cwgrpo.tiny_qwen2(tokenizer, seed=0), tokenizer
+
+
+def test_byte_level_tokenizer_round_trips_and_reloads(tiny_model, tmp_path):
+    _, tokenizer = tiny_model
+    text = "Héllo 12+3=\\boxed{15}\n</think>\n"
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+    tokenizer.save_pretrained(tmp_path)
+    reloaded = cwgrpo.AutoTokenizer.from_pretrained(tmp_path)
+    assert type(reloaded).__name__ == "Qwen2Tokenizer"
+    assert reloaded(text)["input_ids"] == tokenizer(text)["input_ids"]
+
+
+def test_rollout_logprobs_match_unpadded_forward(tiny_model):
+    model, tokenizer = tiny_model
+    cfg = cwgrpo.parse_config(["--preset", "tiny", "--max-completion-length", "12"])
+    batch = [(cwgrpo.chat_prompt_ids(tokenizer, q, ""), "\\boxed{1}") for q in ["1+2", "12+30"]]
+    torch.manual_seed(0)
+    rollout = cwgrpo.sample(model, tokenizer, batch, cfg)
+    assert rollout.prompt_ids.shape[0] == 2 * cfg.group_size
+    logp, entropy = cwgrpo.completion_logprobs(model, rollout, cfg)
+    assert (logp[rollout.completion_mask == 0] == 0).all() and (entropy >= 0).all()
+    for row in (0, cfg.group_size, 2 * cfg.group_size - 1):  # a shorter (left-padded) prompt and a longer
+        n_prompt, n_completion = int(rollout.prompt_mask[row].sum()), int(rollout.completion_mask[row].sum())
+        ids = torch.cat([rollout.prompt_ids[row, -n_prompt:], rollout.completion_ids[row, :n_completion]])
+        with torch.no_grad():
+            logits = model(input_ids=ids[None]).logits[0, n_prompt - 1:-1] / cfg.temperature
+        direct = logits.log_softmax(-1).gather(-1, ids[n_prompt:, None]).squeeze(-1)
+        torch.testing.assert_close(logp[row, :n_completion].detach(), direct, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["cw", "grpo"])
+def test_gradient_does_not_depend_on_micro_batching(tiny_model, method):
+    """Per-group statistics and step-wide normalisers: one micro-batch of 2 groups == 2 of 1 group."""
+    model, tokenizer = tiny_model
+    batch = [(cwgrpo.chat_prompt_ids(tokenizer, q, ""), "\\boxed{3}") for q in ["1+2", "2+1"]]
+    grads = []
+    for groups_per_micro_batch in (2, 1):
+        cfg = cwgrpo.parse_config(["--preset", "tiny", "--method", method, "--max-completion-length", "10",
+                                   "--prompts-per-step", "2", "--groups-per-micro-batch", str(groups_per_micro_batch)])
+        torch.manual_seed(0)
+        rollout = cwgrpo.sample(model, tokenizer, batch, cfg)
+        rollout.advantages = torch.randn(len(rollout.texts), generator=torch.Generator().manual_seed(1))
+        rows, n_tokens = cfg.groups_per_micro_batch * cfg.group_size, int(rollout.completion_mask.sum())
+        model.zero_grad()
+        for start in range(0, len(rollout.texts), rows):
+            loss, _ = cwgrpo.micro_batch_loss(model, rollout.rows(start, start + rows), cfg, len(rollout.texts), n_tokens)
+            loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    model.zero_grad()
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------- config, errors
+
+def test_help_documents_every_option():
+    out = subprocess.run([sys.executable, str(HERE / "cwgrpo.py"), "--help"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0
+    for f in cwgrpo.dataclasses.fields(cwgrpo.Config):
+        assert f"--{f.name}" in out.stdout and f.metadata.get("help")
+    for name in cwgrpo.METHODS:
+        assert f"{name}:" in out.stdout
+
+
+def test_presets_and_overrides():
+    cfg = cwgrpo.parse_config([])
+    assert (cfg.preset, cfg.method, cfg.group_size, cfg.learning_rate, cfg.beta) == ("paper-1.5b", "cw", 12, 1e-6, 0.04)
+    cfg = cwgrpo.parse_config(["--preset", "tiny", "--group-size", "4", "--cw-detach"])
+    assert cfg.model == "tiny" and cfg.group_size == 4 and cfg.cw_detach
+    assert cfg.output_dir == "runs/cw-tiny-seed0"
+
+
+def run_cli(*args, timeout=120):
+    return subprocess.run([sys.executable, str(HERE / "cwgrpo.py"), *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+
+
+def test_gpu_recipe_without_cuda_fails_in_one_line(tmp_path):
+    out = run_cli("--method", "cw", "--output-dir", str(tmp_path / "run"))
+    assert out.returncode != 0
+    assert "no CUDA GPU" in out.stderr and "--preset tiny" in out.stderr and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_unknown_method_and_small_group_are_rejected():
+    out = run_cli("--method", "nope")
+    assert out.returncode == 2 and "invalid choice" in out.stderr and "cw" in out.stderr
+    with pytest.raises(SystemExit, match="group-size must be at least 2"):
+        cwgrpo.parse_config(["--preset", "tiny", "--group-size", "1"])
+
+
+def test_missing_column_lists_the_columns(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"question": "1+1", "answer": "2"}) + "\n")
+    with pytest.raises(SystemExit, match=r"no column 'problem'.*columns found: question, answer"):
+        cwgrpo.load_rows(str(data), "train", "problem", "solution")
+    assert cwgrpo.load_rows(str(data), "train", "question", "answer")["answer"] == ["2"]
+
+
+def test_model_not_found_offline_fails_clearly(tmp_path):
+    with pytest.raises(SystemExit, match="cannot load model 'no-such-org/no-such-model'"):
+        cwgrpo.load_model("no-such-org/no-such-model", torch.float32, torch.device("cpu"))
+    with pytest.raises(SystemExit, match="cannot load dataset 'no-such-org/no-such-data'"):
+        cwgrpo.load_rows("no-such-org/no-such-data", "train", "problem", "solution")
+
+
+# ------------------------------------------------------------------------------------ end to end
+
+TINY_RUN = ["--preset", "tiny", "--steps", "4", "--save-every", "2", "--warmstart-steps", "150"]
+TIMING_KEYS = {"rollout_s", "update_s", "tokens_per_s"}
+
+
+def read_metrics(path):
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS}
+            for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run") / "cw"
+    cwgrpo.train(cwgrpo.parse_config([*TINY_RUN, "--output-dir", str(out)]))
+    return out
+
+
+def test_tiny_run_writes_metrics_checkpoints_and_model(tiny_run):
+    records = read_metrics(tiny_run / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    required = {"step", "reward_mean", "reward_std", "accuracy_mean", "entropy_mean", "completion_len_mean",
+                "frac_zero_std_groups", "loss", "grad_norm", "lr", "kl_mean", "clip_frac", "w_mean", "w_std",
+                "w_min", "w_max"}
+    assert required <= set(records[0])
+    assert all(math.isfinite(r[k]) for r in records for k in required)
+    assert all(r["clip_frac"] == 0 for r in records)  # one update per batch: ratio == 1, nothing clipped
+    assert records[0]["kl_mean"] == 0 and records[-1]["kl_mean"] > 0  # the policy leaves the reference
+    for name in ("checkpoint-2", "checkpoint-4", "final-model"):
+        assert (tiny_run / name / "config.json").is_file() and (tiny_run / name / "tokenizer_config.json").is_file()
+    assert (tiny_run / "checkpoint-2" / "trainer_state.pt").is_file()
+    assert "rollout_s" in json.loads((tiny_run / "metrics.jsonl").read_text().splitlines()[0])
+
+
+def test_resume_reproduces_the_uninterrupted_run(tiny_run, tmp_path):
+    crashed = tmp_path / "crashed"
+    shutil.copytree(tiny_run, crashed)
+    # as if killed during step 4's save: no checkpoint-4 (a partial one at most), no final model
+    shutil.rmtree(crashed / "checkpoint-4")
+    shutil.rmtree(crashed / "final-model")
+    (crashed / ".checkpoint-4.partial").mkdir()
+    assert cwgrpo.latest_checkpoint(crashed).name == "checkpoint-2"
+    cwgrpo.train(cwgrpo.parse_config([*TINY_RUN, "--output-dir", str(crashed), "--resume"]))
+    assert read_metrics(crashed / "metrics.jsonl") == read_metrics(tiny_run / "metrics.jsonl")
+
+
+def test_existing_run_is_not_silently_overwritten(tiny_run):
+    with pytest.raises(SystemExit, match="already holds a run"):
+        cwgrpo.train(cwgrpo.parse_config([*TINY_RUN, "--output-dir", str(tiny_run)]))
+
+
+def test_grpo_and_token_mean_and_iterations_run(tmp_path):
+    out = tmp_path / "grpo"
+    cwgrpo.train(cwgrpo.parse_config([*TINY_RUN, "--method", "grpo", "--output-dir", str(out), "--steps", "2",
+                                      "--loss-aggregation", "token-mean", "--num-iterations", "2",
+                                      "--groups-per-micro-batch", "2", "--beta", "0"]))
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4] and [r["rollout_step"] for r in records] == [1, 1, 2, 2]
+    assert all(r["w_min"] == r["w_max"] == 1.0 for r in records) and all(r["kl_mean"] == 0 for r in records)
