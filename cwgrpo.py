@@ -102,6 +102,25 @@ class Config:
                 "valid (paper wording, mean 1 over real tokens)"})
     cw_detach: bool = field(default=False, metadata={
         "help": "stop the gradient through the CW weights (the clean reading; the released code does not)"})
+    clip_cov_ratio: float = field(default=2e-4, metadata={
+        "help": "clip_cov: share of valid tokens whose loss is zeroed (Cui et al. 2025)"})
+    clip_cov_lb: float = field(default=1.0, metadata={"help": "clip_cov: candidates have covariance above this"})
+    clip_cov_ub: float = field(default=5.0, metadata={"help": "clip_cov: candidates have covariance below this"})
+    kl_cov_ratio: float = field(default=2e-3, metadata={
+        "help": "kl_cov: share of valid tokens, top by covariance, that get the penalty (Cui et al. 2025)"})
+    kl_cov_coef: float = field(default=1.0, metadata={"help": "kl_cov: coefficient of |logp - old_logp|"})
+    ar_alpha: float | None = field(default=None, metadata={
+        "help": "ar: alpha of w = alpha * p_old + 1 - alpha; default 0.2, 0.3 with ar_lopti (Yang et al. 2025)"})
+    lopti_eta: float | None = field(default=None, metadata={
+        "help": "lopti: probability threshold of the low pass; default 0.4, 0.5 with ar_lopti (Yang et al. 2025)"})
+    ict_keep_frac: float = field(default=0.1, metadata={
+        "help": "ict: share of each response's positions kept, top by JS divergence (Beyond Entropy, 2026)"})
+    entropy_top_frac: float = field(default=0.2, metadata={
+        "help": "entropy20: share of the batch's tokens, top by entropy, that keep the PG term (Wang et al. 2025)"})
+    stapo_max_prob: float = field(default=0.01, metadata={
+        "help": "stapo: silenced tokens have probability below this (from a secondary source)"})
+    stapo_entropy_percentile: float = field(default=5.0, metadata={
+        "help": "stapo: silenced tokens have entropy below this batch percentile (from a secondary source)"})
     learning_rate: float = field(default=1e-6, metadata={"help": "peak AdamW learning rate"})
     min_lr_ratio: float = field(default=0.1, metadata={"help": "cosine schedule ends at this fraction of the peak"})
     warmup_ratio: float = field(default=0.1, metadata={"help": "share of steps with linear warmup"})
@@ -351,20 +370,24 @@ class Rollout:
     golds: list
     rewards: torch.Tensor = None
     advantages: torch.Tensor = None
-    old_logp: torch.Tensor = None  # only when num_iterations > 1; else old == current, detached
-    ref_logp: torch.Tensor = None  # only when beta > 0
+    # from the no-grad pass after sampling, when the update needs them (num_iterations > 1, or the method)
+    old_logp: torch.Tensor = None    # (N, T) else old == current, detached
+    entropy: torch.Tensor = None     # (N, T) else taken from the update's own forward pass
+    divergence: torch.Tensor = None  # (N, T) ict's score
+    ref_logp: torch.Tensor = None    # (N, T) only when beta > 0
+    batch_entropy: torch.Tensor = None  # the entropies of all valid tokens of the batch (not per row)
 
     def rows(self, start: int, stop: int) -> "Rollout":
         """Rows [start, stop) with their all-padding columns trimmed off."""
-        out = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            out[f.name] = value[start:stop] if value is not None else None
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for name, value in out.items():
+            if value is not None and name != "batch_entropy":
+                out[name] = value[start:stop]
         prompt_keep = out["prompt_mask"].any(0).nonzero()[0, 0]
         completion_len = int(out["completion_mask"].sum(1).max())
         for name in ("prompt_ids", "prompt_mask"):
             out[name] = out[name][:, prompt_keep:]
-        for name in ("completion_ids", "completion_mask", "old_logp", "ref_logp"):
+        for name in ("completion_ids", "completion_mask", "old_logp", "entropy", "divergence", "ref_logp"):
             if out[name] is not None:
                 out[name] = out[name][:, :completion_len]
         return Rollout(**out)
@@ -439,8 +462,9 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
     return torch.cat(logps), torch.cat(entropies)
 
 
-def completion_logprobs(model, rollout: Rollout, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, T) log-probs of the sampled completion tokens and the entropies there, 0 on padding."""
+def completion_logprobs(model, rollout: Rollout, cfg: Config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N, T) log-probs of the sampled completion tokens and the entropies there, 0 on padding; and the
+    (N, T, hidden) states that predict them."""
     input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
     attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask.long()], 1)
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # as generate() numbers left-padded rows
@@ -456,7 +480,7 @@ def completion_logprobs(model, rollout: Rollout, cfg: Config) -> tuple[torch.Ten
     entropy = torch.zeros_like(logp)
     logp[valid] = logp_valid
     entropy[valid] = entropy_valid
-    return logp, entropy
+    return logp, entropy, hidden
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -475,16 +499,27 @@ def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------
 
 class Group(NamedTuple):
-    """What a method may look at for one group of G responses (T = the micro-batch's longest)."""
-    logp: torch.Tensor      # (G, T) with gradient
-    old_logp: torch.Tensor  # (G, T) rollout policy, no gradient
+    """What a method sees of one group of G responses (T = the micro-batch's longest response)."""
+    logp: torch.Tensor        # (G, T) current policy, with gradient
+    old_logp: torch.Tensor    # (G, T) rollout policy, no gradient
     advantages: torch.Tensor  # (G,)
-    mask: torch.Tensor      # (G, T) 0/1
-    entropy: torch.Tensor   # (G, T) no gradient
+    mask: torch.Tensor        # (G, T) 0/1
+    entropy: torch.Tensor     # (G, T) rollout policy's entropy, no gradient
+    batch_entropy: torch.Tensor | None  # entropies of all valid tokens of the rollout batch (entropy20, stapo)
+    divergence: torch.Tensor | None     # (G, T) ict's JS score, for methods that ask for it
+    update_pass: int          # 0; lopti's second (high-probability) pass is 1
 
 
-def grpo_weights(group: Group, cfg: Config) -> torch.Tensor:
-    return group.mask  # SPEC "grpo": w = 1
+class TokenTerms(NamedTuple):
+    """How a method changes the per-token loss w * pg + beta * k3 (SPEC notation)."""
+    pg_weight: torch.Tensor            # w (G, T); 0 drops a token's PG term, not its share of the denominator
+    extra: torch.Tensor | None = None  # a per-token term added to the loss (kl_cov)
+    clip: bool = True                  # False: the PG term without PPO clipping (kl_cov)
+    active: torch.Tensor | None = None  # tokens whose PG and KL terms count in this update pass (lopti)
+
+
+def grpo(group: Group, cfg) -> TokenTerms:
+    return TokenTerms(group.mask)  # SPEC "grpo": w = 1
 
 
 def cw_weights(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *, norm: str = "padded",
@@ -510,18 +545,143 @@ def cw_weights(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *, nor
     return weights.detach() if detach else weights                           # 7.
 
 
-def cw_method_weights(group: Group, cfg: Config) -> torch.Tensor:
-    return cw_weights(group.logp, group.advantages, group.mask, norm=cfg.cw_norm, detach=cfg.cw_detach)
+def cw(group: Group, cfg) -> TokenTerms:
+    return TokenTerms(cw_weights(group.logp, group.advantages, group.mask, norm=cfg.cw_norm, detach=cfg.cw_detach))
+
+
+def token_covariance(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """SPEC clip_cov/kl_cov: C = (logp - mean logp) * (A - mean A), means over the scope's valid tokens."""
+    logp, adv = logp.detach(), adv[:, None].expand_as(logp)
+    n_valid = mask.sum()
+    return (logp - (logp * mask).sum() / n_valid) * (adv - (adv * mask).sum() / n_valid) * mask
+
+
+def ppo_clipped(ratio: torch.Tensor, adv: torch.Tensor, cfg) -> torch.Tensor:
+    """Tokens whose PG term PPO's clip holds constant (no gradient)."""
+    return ((ratio < 1 - cfg.eps_low) & (adv[:, None] < 0)) | ((ratio > 1 + cfg.eps_high) & (adv[:, None] > 0))
+
+
+def clip_cov(group: Group, cfg) -> TokenTerms:
+    """SPEC clip_cov (Cui et al. 2025): zero the loss of a few random tokens with 1 < C < 5."""
+    cov = token_covariance(group.logp, group.advantages, group.mask)
+    ratio = torch.exp(group.logp.detach() - group.old_logp)
+    candidates = (group.mask > 0) & ~ppo_clipped(ratio, group.advantages, cfg) & \
+        (cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub)
+    n_select = max(int(cfg.clip_cov_ratio * group.mask.sum()), 1)
+    positions = candidates.nonzero()
+    chosen = positions[torch.randperm(len(positions), device=positions.device)[:n_select]]  # the run's seed
+    weight = group.mask.clone()
+    weight[chosen[:, 0], chosen[:, 1]] = 0
+    return TokenTerms(weight)
+
+
+def kl_cov(group: Group, cfg) -> TokenTerms:
+    """SPEC kl_cov (Cui et al. 2025): no clipping; |logp - old_logp| on the top-k tokens by covariance."""
+    cov = token_covariance(group.logp, group.advantages, group.mask)
+    k = max(1, int(cfg.kl_cov_ratio * group.mask.sum()))
+    top = torch.zeros_like(group.mask, dtype=torch.bool).view(-1)
+    top[cov.masked_fill(group.mask == 0, -torch.inf).view(-1).topk(k).indices] = True
+    extra = cfg.kl_cov_coef * (group.logp - group.old_logp).abs() * top.view_as(group.mask)
+    return TokenTerms(group.mask, extra=extra, clip=False)
+
+
+def ar_weights(old_logp: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.Tensor:
+    """SPEC ar (Yang et al. 2025): w = alpha * p_old + 1 - alpha, both signs of A, no renormalisation."""
+    return (alpha * old_logp.exp() + 1 - alpha) * mask
+
+
+def lopti_active(old_logp: torch.Tensor, mask: torch.Tensor, eta: float, update_pass: int) -> torch.Tensor:
+    """SPEC lopti: pass 0 updates the tokens with p_old < eta, pass 1 the rest."""
+    low = old_logp.exp() < eta
+    return mask * (low if update_pass == 0 else ~low)
+
+
+def ar(group: Group, cfg) -> TokenTerms:
+    return TokenTerms(ar_weights(group.old_logp, group.mask, cfg.ar_alpha or 0.2))
+
+
+def lopti(group: Group, cfg) -> TokenTerms:
+    return TokenTerms(group.mask, active=lopti_active(group.old_logp, group.mask, cfg.lopti_eta or 0.4,
+                                                      group.update_pass))
+
+
+def ar_lopti(group: Group, cfg) -> TokenTerms:
+    return TokenTerms(ar_weights(group.old_logp, group.mask, cfg.ar_alpha or 0.3),
+                      active=lopti_active(group.old_logp, group.mask, cfg.lopti_eta or 0.5, group.update_pass))
+
+
+def renormalised(keep: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Weights that make a response's token mean of the PG term run over its kept tokens only."""
+    return keep * mask.sum(1, keepdim=True) / keep.sum(1, keepdim=True).clamp(min=1)
+
+
+@torch.no_grad()
+def ict_divergence(hidden: torch.Tensor, head_weight: torch.Tensor, mask: torch.Tensor, temperature: float,
+                   chunk_tokens: int) -> torch.Tensor:
+    """SPEC ict: u[i,t] = JS(p[i,t] || pbar[t]) in nats, pbar the mean next-token distribution of the group's
+    responses still running at t. Streams over positions, never holding more than G x chunk x vocab."""
+    group_size, length = mask.shape
+    divergence = torch.zeros(mask.shape, device=hidden.device)
+    width = max(1, chunk_tokens // group_size)
+    for start in range(0, length, width):
+        stop = start + width
+        p = (F.linear(hidden[:, start:stop], head_weight).float() / temperature).softmax(-1)
+        running = mask[:, start:stop, None]
+        p_bar = (p * running).sum(0) / running.sum(0).clamp(min=1)
+        middle = (p + p_bar) / 2
+        js = 0.5 * (torch.xlogy(p, p) - torch.xlogy(p, middle)).sum(-1) + \
+            0.5 * (torch.xlogy(p_bar, p_bar) - torch.xlogy(p_bar, middle)).sum(-1)
+        divergence[:, start:stop] = js * mask[:, start:stop]
+    return divergence
+
+
+def ict(group: Group, cfg) -> TokenTerms:
+    """SPEC ict (Beyond Entropy, 2026): keep each response's top 10% of positions by JS divergence."""
+    lengths = group.mask.sum(1)
+    keep_counts = (cfg.ict_keep_frac * lengths).ceil().clamp(min=1)
+    ranks = group.divergence.masked_fill(group.mask == 0, -1).argsort(1, descending=True).argsort(1)
+    keep = (ranks < keep_counts[:, None]).float() * group.mask
+    return TokenTerms(renormalised(keep, group.mask))
+
+
+def entropy20(group: Group, cfg) -> TokenTerms:
+    """SPEC entropy20 (Wang et al. 2025): PG only on tokens at or above the batch's 80th entropy percentile."""
+    threshold = torch.quantile(group.batch_entropy, 1 - cfg.entropy_top_frac)
+    return TokenTerms(group.mask * (group.entropy >= threshold))
+
+
+def stapo(group: Group, cfg) -> TokenTerms:
+    """SPEC stapo: silence positive-advantage tokens that are rare (p < 0.01) and low-entropy (< 5th pct)."""
+    threshold = torch.quantile(group.batch_entropy, cfg.stapo_entropy_percentile / 100)
+    spurious = (group.advantages[:, None] > 0) & (group.old_logp.exp() < cfg.stapo_max_prob) & \
+        (group.entropy < threshold)
+    return TokenTerms(renormalised(group.mask * ~spurious, group.mask))
 
 
 class Method(NamedTuple):
-    token_weights: Callable[[Group, Config], torch.Tensor]  # per-token weight on the PG term, per group
+    terms: Callable[[Group, "Config"], TokenTerms]
     description: str
+    update_passes: int = 1            # lopti: a low-probability pass, then a high-probability one
+    needs_rollout_pass: bool = False  # old log-probs and entropies of the whole batch before the update
+    needs_divergence: bool = False    # ict's JS score, computed in the rollout pass
 
 
 METHODS.update({
-    "grpo": Method(grpo_weights, "GRPO baseline, every token weight 1 (SPEC grpo)"),
-    "cw": Method(cw_method_weights, "CW-GRPO, Gaussian-kernel covariance weights (Wang et al. 2026; SPEC cw)"),
+    "grpo": Method(grpo, "GRPO baseline, every token weight 1 (SPEC grpo)"),
+    "cw": Method(cw, "CW-GRPO, Gaussian-kernel covariance weights (Wang et al. 2026; SPEC cw)"),
+    "clip_cov": Method(clip_cov, "zero the loss of a few random high-covariance tokens (Cui et al. 2025)"),
+    "kl_cov": Method(kl_cov, "no clipping, |logp - old_logp| penalty on top-covariance tokens (Cui et al. 2025)"),
+    "ar": Method(ar, "advantage reweighting by alpha * p + 1 - alpha (Yang et al. 2025)"),
+    "lopti": Method(lopti, "update low-probability tokens first, then the rest: 2 steps per batch (Yang et al. 2025)",
+                    update_passes=2, needs_rollout_pass=True),
+    "ar_lopti": Method(ar_lopti, "ar and lopti together (Yang et al. 2025)", update_passes=2,
+                       needs_rollout_pass=True),
+    "ict": Method(ict, "PG only on each response's top 10% positions by JS divergence from the group (2026)",
+                  needs_rollout_pass=True, needs_divergence=True),
+    "entropy20": Method(entropy20, "PG only on the top 20% highest-entropy tokens (Wang et al. 2025)",
+                        needs_rollout_pass=True),
+    "stapo": Method(stapo, "silence rare, low-entropy positive tokens, renormalise (STAPO, 2026)",
+                    needs_rollout_pass=True),
 })
 
 
@@ -529,19 +689,26 @@ METHODS.update({
 # 8. Loss
 # ----------------------------------------------------------------------------------------------------
 
-def token_losses(logp, old_logp, ref_logp, advantages, weights, cfg: Config) -> dict:
-    """SPEC notation: per-token loss w * pg + beta * k3; PPO-clip PG term, k3 KL never weighted."""
+def token_losses(logp, old_logp, ref_logp, advantages, terms: TokenTerms, cfg: Config) -> dict:
+    """SPEC notation: per-token loss w * pg + beta * k3 (+ a method's extra term); the KL is never weighted."""
     ratio = torch.exp(logp - old_logp)
     adv = advantages[:, None]
-    clipped_ratio = ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
-    pg = -torch.min(ratio * adv, clipped_ratio * adv)
-    loss = weights * pg
+    pg = -ratio * adv
+    if terms.clip:
+        pg = torch.max(pg, -ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * adv)
+    loss = terms.pg_weight * pg
+    if terms.extra is not None:
+        loss = loss + terms.extra
     kl = torch.zeros_like(logp)
     if ref_logp is not None:
         kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
         loss = loss + cfg.beta * kl
-    is_clipped = ((ratio < 1 - cfg.eps_low) & (adv < 0)) | ((ratio > 1 + cfg.eps_high) & (adv > 0))
-    return {"loss": loss, "kl": kl.detach(), "clipped": is_clipped}
+    active = terms.active if terms.active is not None else torch.ones_like(logp)
+    touched = (terms.pg_weight != 1) | (active == 0)
+    if terms.extra is not None:
+        touched |= terms.extra.detach() != 0
+    return {"loss": loss * active, "kl": kl.detach(), "clipped": ppo_clipped(ratio, advantages, cfg) & terms.clip,
+            "w": terms.pg_weight.detach(), "touched": touched, "pg_on": (terms.pg_weight != 0) & (active != 0)}
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, n_responses: int, n_tokens: int):
@@ -551,19 +718,23 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, n_response
     return (per_token * mask).sum() / n_tokens
 
 
-def micro_batch_loss(model, rollout: Rollout, cfg: Config, n_responses: int, n_tokens: int):
-    logp, entropy = completion_logprobs(model, rollout, cfg)
+def micro_batch_loss(model, rollout: Rollout, cfg: Config, n_responses: int, n_tokens: int, update_pass: int = 0):
+    logp, entropy, _ = completion_logprobs(model, rollout, cfg)
     old_logp = rollout.old_logp if rollout.old_logp is not None else logp.detach()
+    entropy = rollout.entropy if rollout.entropy is not None else entropy
     mask = rollout.completion_mask
     method = METHODS[cfg.method]
-    weights = torch.cat([
-        method.token_weights(Group(logp[g], old_logp[g], rollout.advantages[g], mask[g], entropy[g]), cfg)
-        for g in (slice(i, i + cfg.group_size) for i in range(0, len(mask), cfg.group_size))])
-    terms = token_losses(logp, old_logp, rollout.ref_logp, rollout.advantages, weights, cfg)
+    parts = []
+    for g in (slice(i, i + cfg.group_size) for i in range(0, len(mask), cfg.group_size)):
+        group = Group(logp[g], old_logp[g], rollout.advantages[g], mask[g], entropy[g], rollout.batch_entropy,
+                      rollout.divergence[g] if rollout.divergence is not None else None, update_pass)
+        ref_logp = rollout.ref_logp[g] if rollout.ref_logp is not None else None
+        parts.append(token_losses(logp[g], old_logp[g], ref_logp, rollout.advantages[g], method.terms(group, cfg), cfg))
+    terms = {k: torch.cat([part[k] for part in parts]) for k in parts[0]}
     loss = aggregate(terms["loss"], mask, cfg.loss_aggregation, n_responses, n_tokens)
     valid = mask.bool()
-    return loss, {"entropy": entropy[valid], "kl": terms["kl"][valid], "clipped": terms["clipped"][valid].float(),
-                  "w": weights.detach()[valid]}
+    return loss, {"entropy": entropy[valid], **{k: terms[k][valid].float() for k in ("kl", "clipped", "w", "touched",
+                                                                                   "pg_on")}}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -743,17 +914,26 @@ def score_rollout(rollout: Rollout, grader: Grader, cfg: Config) -> dict:
 
 
 @torch.no_grad()
-def rollout_logprobs(model, rollout: Rollout, cfg: Config) -> torch.Tensor:
-    """Log-probs of a whole rollout batch under `model` (old policy or reference), micro-batch by micro-batch."""
+def rollout_pass(model, rollout: Rollout, cfg: Config, with_divergence: bool = False):
+    """Log-probs, entropies (and ict's divergence) of a whole rollout batch under `model`, the rollout
+    policy or the reference, micro-batch by micro-batch, without gradient."""
     rows = cfg.groups_per_micro_batch * cfg.group_size
-    full = torch.zeros_like(rollout.completion_mask)
+    logp, entropy = torch.zeros_like(rollout.completion_mask), torch.zeros_like(rollout.completion_mask)
+    divergence = torch.zeros_like(rollout.completion_mask) if with_divergence else None
+    head = model.get_output_embeddings().weight
     for start in range(0, len(rollout.texts), rows):
         part = rollout.rows(start, start + rows)
-        full[start:start + rows, : part.completion_ids.shape[1]] = completion_logprobs(model, part, cfg)[0]
-    return full
+        width = part.completion_ids.shape[1]
+        logp[start:start + rows, :width], entropy[start:start + rows, :width], hidden = \
+            completion_logprobs(model, part, cfg)
+        for g in range(0, len(part.texts), cfg.group_size) if with_divergence else ():
+            divergence[start + g:start + g + cfg.group_size, :width] = ict_divergence(
+                hidden[g:g + cfg.group_size], head, part.completion_mask[g:g + cfg.group_size], cfg.temperature,
+                cfg.logit_chunk_tokens)
+    return logp, entropy, divergence
 
 
-def update(model, optimizer, scheduler, rollout: Rollout, cfg: Config, autocast) -> dict:
+def update(model, optimizer, scheduler, rollout: Rollout, cfg: Config, autocast, update_pass: int = 0) -> dict:
     """One optimizer step over the rollout batch, accumulating gradients over micro-batches of whole groups."""
     model.train()
     n_responses = len(rollout.texts)
@@ -762,7 +942,8 @@ def update(model, optimizer, scheduler, rollout: Rollout, cfg: Config, autocast)
     total_loss, parts = 0.0, []
     for start in range(0, n_responses, rows):
         with autocast():
-            loss, stats = micro_batch_loss(model, rollout.rows(start, start + rows), cfg, n_responses, n_tokens)
+            loss, stats = micro_batch_loss(model, rollout.rows(start, start + rows), cfg, n_responses, n_tokens,
+                                           update_pass)
         loss.backward()
         total_loss += loss.item()
         parts.append(stats)
@@ -771,13 +952,14 @@ def update(model, optimizer, scheduler, rollout: Rollout, cfg: Config, autocast)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    stat = {k: torch.cat([p[k] for p in parts]).float() for k in parts[0]}
+    stat = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     w = stat["w"]
     return {"loss": total_loss, "grad_norm": grad_norm.item(), "lr": lr,
             "entropy_mean": stat["entropy"].mean().item(), "kl_mean": stat["kl"].mean().item(),
             "clip_frac": stat["clipped"].mean().item(), "w_mean": w.mean().item(),
             "w_std": w.std().item() if len(w) > 1 else 0.0, "w_min": w.min().item(), "w_max": w.max().item(),
-            "w_frac_below_half": (w < 0.5).float().mean().item(), "w_frac_above_2": (w > 2).float().mean().item()}
+            "w_frac_below_half": (w < 0.5).float().mean().item(), "w_frac_above_2": (w > 2).float().mean().item(),
+            "touched_frac": stat["touched"].mean().item(), "pg_active_frac": stat["pg_on"].mean().item()}
 
 
 def train(cfg: Config) -> Path:
@@ -802,7 +984,12 @@ def train(cfg: Config) -> Path:
     grader = Grader(cfg.reward_timeout_s)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    total_updates = cfg.steps * cfg.num_iterations
+    method = METHODS[cfg.method]
+    if cfg.method == "kl_cov" and cfg.num_iterations == 1:
+        print("note: kl_cov does nothing with one update per rollout batch: logp == old_logp, so its penalty "
+              "|logp - old_logp| is 0 and it trains as GRPO; use --num-iterations 2 or more")
+    updates_per_rollout = cfg.num_iterations * method.update_passes
+    total_updates = cfg.steps * updates_per_rollout
     scheduler = transformers.get_cosine_with_min_lr_schedule_with_warmup(
         optimizer, int(cfg.warmup_ratio * total_updates), total_updates, min_lr_rate=cfg.min_lr_ratio)
     start_step = 0
@@ -827,15 +1014,19 @@ def train(cfg: Config) -> Path:
         with autocast():
             rollout = sample(model, tokenizer, prompts.next_batch(cfg.prompts_per_step), cfg)
             rollout_metrics = score_rollout(rollout, grader, cfg)
-            if cfg.num_iterations > 1:
-                rollout.old_logp = rollout_logprobs(model, rollout, cfg)
+            if cfg.num_iterations > 1 or method.needs_rollout_pass:
+                rollout.old_logp, rollout.entropy, rollout.divergence = rollout_pass(
+                    model, rollout, cfg, method.needs_divergence)
+                rollout.batch_entropy = rollout.entropy[rollout.completion_mask.bool()]
             if reference is not None:
-                rollout.ref_logp = rollout_logprobs(reference, rollout, cfg)
+                rollout.ref_logp = rollout_pass(reference, rollout, cfg)[0]
         rollout_s = time.perf_counter() - t0
-        for iteration in range(cfg.num_iterations):
+        for update_index in range(updates_per_rollout):
             t1 = time.perf_counter()
-            record = {"step": step * cfg.num_iterations + iteration + 1, "rollout_step": step + 1,
-                      **rollout_metrics, **update(model, optimizer, scheduler, rollout, cfg, autocast),
+            update_pass = update_index % method.update_passes
+            record = {"step": step * updates_per_rollout + update_index + 1, "rollout_step": step + 1,
+                      "update_pass": update_pass,
+                      **rollout_metrics, **update(model, optimizer, scheduler, rollout, cfg, autocast, update_pass),
                       "prompts_skipped": prompts.skipped, "rollout_s": rollout_s,
                       "update_s": time.perf_counter() - t1}
             tokens = rollout.completion_mask.sum().item()

@@ -204,7 +204,7 @@ def test_rollout_logprobs_match_unpadded_forward(tiny_model):
     torch.manual_seed(0)
     rollout = cwgrpo.sample(model, tokenizer, batch, cfg)
     assert rollout.prompt_ids.shape[0] == 2 * cfg.group_size
-    logp, entropy = cwgrpo.completion_logprobs(model, rollout, cfg)
+    logp, entropy, _ = cwgrpo.completion_logprobs(model, rollout, cfg)
     assert (logp[rollout.completion_mask == 0] == 0).all() and (entropy >= 0).all()
     for row in (0, cfg.group_size, 2 * cfg.group_size - 1):  # a shorter (left-padded) prompt and a longer
         n_prompt, n_completion = int(rollout.prompt_mask[row].sum()), int(rollout.completion_mask[row].sum())
@@ -351,3 +351,148 @@ def test_grpo_and_token_mean_and_iterations_run(tmp_path):
     records = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4] and [r["rollout_step"] for r in records] == [1, 1, 2, 2]
     assert all(r["w_min"] == r["w_max"] == 1.0 for r in records) and all(r["kl_mean"] == 0 for r in records)
+
+
+# ---------------------------------------------------------------------------------------- methods
+
+def make_group(logp, adv, mask, old_logp=None, entropy=None, batch_entropy=None, divergence=None, update_pass=0):
+    old_logp = logp.clone() if old_logp is None else old_logp
+    entropy = torch.zeros_like(logp) if entropy is None else entropy
+    return cwgrpo.Group(logp, old_logp, adv, mask, entropy, batch_entropy, divergence, update_pass)
+
+
+def method_cfg(*args):
+    return cwgrpo.parse_config(["--preset", "tiny", *args])
+
+
+# Covariance case: valid log-probs -1, -3 | -2, -2, -2 (mean -2); advantages 2 | -2 (token mean -0.4);
+# C = (1)(2.4) = 2.4, (-1)(2.4) = -2.4, then 0, 0, 0.
+COV_LOGP = torch.tensor([[-1.0, -3.0, 0.0], [-2.0, -2.0, -2.0]])
+COV_MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+COV_ADV = torch.tensor([2.0, -2.0])
+
+
+def test_token_covariance_hand_computed():
+    cov = cwgrpo.token_covariance(COV_LOGP, COV_ADV, COV_MASK)
+    torch.testing.assert_close(cov, torch.tensor([[2.4, -2.4, 0.0], [0.0, 0.0, 0.0]]))
+
+
+def test_clip_cov_zeroes_the_one_candidate():
+    terms = cwgrpo.clip_cov(make_group(COV_LOGP, COV_ADV, COV_MASK), method_cfg("--clip-cov-ratio", "0.25"))
+    assert terms.pg_weight.tolist() == [[0, 1, 0], [1, 1, 1]] and terms.clip and terms.extra is None
+    # the same token already clipped by PPO (ratio 1.5 > 1.2 with A > 0) is no candidate
+    old = COV_LOGP.clone()
+    old[0, 0] -= math.log(1.5)
+    terms = cwgrpo.clip_cov(make_group(COV_LOGP, COV_ADV, COV_MASK, old_logp=old), method_cfg())
+    assert torch.equal(terms.pg_weight, COV_MASK)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_clip_cov_selects_max_floor_rn_1_candidates(seed):
+    logp, adv, mask = random_group(seed, G=8, T=40)
+    cfg = method_cfg("--clip-cov-ratio", "0.05", "--clip-cov-lb", "0.2", "--clip-cov-ub", "5")
+    cov = cwgrpo.token_covariance(logp, adv, mask)
+    candidates = (mask > 0) & (cov > 0.2) & (cov < 5)
+    zeroed = (cwgrpo.clip_cov(make_group(logp, adv, mask), cfg).pg_weight == 0) & (mask > 0)
+    assert (zeroed & ~candidates).sum() == 0
+    assert zeroed.sum() == min(max(int(0.05 * mask.sum()), 1), int(candidates.sum()))
+
+
+def test_kl_cov_penalises_exactly_the_top_k():
+    old = COV_LOGP - 0.1
+    logp = COV_LOGP.clone().requires_grad_(True)
+    terms = cwgrpo.kl_cov(make_group(logp, COV_ADV, COV_MASK, old_logp=old), method_cfg("--kl-cov-ratio", "0.25"))
+    assert not terms.clip and torch.equal(terms.pg_weight, COV_MASK)
+    torch.testing.assert_close(terms.extra.detach(), torch.tensor([[0.1, 0, 0], [0, 0, 0]]))
+    logp, adv, mask = random_group(1, G=8, T=40)
+    terms = cwgrpo.kl_cov(make_group(logp, adv, mask, old_logp=logp - 0.3), method_cfg("--kl-cov-ratio", "0.05"))
+    k = max(1, int(0.05 * mask.sum()))
+    top = cwgrpo.token_covariance(logp, adv, mask).masked_fill(mask == 0, -1e9).view(-1).topk(k).indices
+    expected = torch.zeros(mask.numel())
+    expected[top] = 0.3
+    torch.testing.assert_close(terms.extra.view(-1), expected)
+
+
+def test_ar_weights_are_alpha_p_plus_one_minus_alpha():
+    old = torch.log(torch.tensor([[0.1, 0.5, 0.9]]))
+    mask = torch.ones(1, 3)
+    group = make_group(old.clone(), torch.tensor([1.0]), mask, old_logp=old)
+    torch.testing.assert_close(cwgrpo.ar(group, method_cfg()).pg_weight, 0.2 * old.exp() + 0.8)
+    torch.testing.assert_close(cwgrpo.ar_lopti(group, method_cfg()).pg_weight, 0.3 * old.exp() + 0.7)
+    torch.testing.assert_close(cwgrpo.ar(group, method_cfg("--ar-alpha", "0.5")).pg_weight,
+                               torch.tensor([[0.55, 0.75, 0.95]]))
+
+
+def test_lopti_passes_partition_the_valid_tokens():
+    old = torch.log(torch.tensor([[0.1, 0.39, 0.41, 0.9], [0.45, 0.6, 0.2, 0.5]]))
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.0]])
+    cfg = method_cfg()
+    low, high = (cwgrpo.lopti(make_group(old, torch.ones(2), mask, old_logp=old, update_pass=p), cfg).active
+                 for p in (0, 1))
+    assert low.tolist() == [[1, 1, 0, 0], [0, 0, 1, 0]]  # eta 0.4 alone
+    assert torch.equal(low + high, mask)
+    low_ar = cwgrpo.ar_lopti(make_group(old, torch.ones(2), mask, old_logp=old), cfg).active
+    assert low_ar.tolist() == [[1, 1, 1, 0], [1, 0, 1, 0]]  # eta 0.5 with ar
+
+
+def test_ict_streamed_divergence_equals_direct():
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(4, 7, 5, generator=g), torch.randn(11, 5, generator=g)
+    mask = (torch.arange(7)[None] < torch.tensor([7, 5, 2, 6])[:, None]).float()
+    streamed = cwgrpo.ict_divergence(hidden, weight, mask, 0.7, chunk_tokens=8)  # 2 positions per chunk
+    p = (hidden @ weight.T / 0.7).softmax(-1)
+    for t in range(7):
+        running = mask[:, t].bool()
+        p_bar = p[running, t].mean(0)
+        for i in range(4):
+            m = (p[i, t] + p_bar) / 2
+            js = 0.5 * (p[i, t] * (p[i, t] / m).log()).sum() + 0.5 * (p_bar * (p_bar / m).log()).sum()
+            assert streamed[i, t].item() == pytest.approx(js.item() if running[i] else 0.0, abs=1e-6)
+
+
+def test_ict_keeps_each_responses_top_tenth():
+    mask = (torch.arange(25)[None] < torch.tensor([25, 10, 3])[:, None]).float()
+    divergence = torch.rand(3, 25, generator=torch.Generator().manual_seed(0)) * mask
+    terms = cwgrpo.ict(make_group(torch.zeros(3, 25), torch.ones(3), mask, divergence=divergence), method_cfg())
+    kept = terms.pg_weight > 0
+    assert kept.sum(1).tolist() == [3, 1, 1]  # ceil(10% of 25, 10, 3)
+    for i, k in enumerate([3, 1, 1]):
+        assert set(kept[i].nonzero().flatten().tolist()) == set(divergence[i].topk(k).indices.tolist())
+    torch.testing.assert_close(terms.pg_weight.sum(1), mask.sum(1))  # mean over kept tokens only
+
+
+def test_entropy20_keeps_the_top_fifth_by_entropy():
+    entropy = torch.arange(10.0).view(2, 5)
+    mask = torch.ones(2, 5)
+    terms = cwgrpo.entropy20(make_group(torch.zeros(2, 5), torch.ones(2), mask, entropy=entropy,
+                                        batch_entropy=entropy.flatten()), method_cfg())
+    assert terms.pg_weight.tolist() == [[0, 0, 0, 0, 0], [0, 0, 0, 1, 1]]  # H >= 80th percentile (7.2)
+
+
+def test_stapo_silences_only_tokens_meeting_all_three_conditions():
+    old = torch.log(torch.tensor([[0.005, 0.005, 0.5, 0.005], [0.005, 0.5, 0.5, 0.5]]))
+    entropy = torch.tensor([[0.0, 5.0, 0.0, 0.0], [0.0, 1.0, 1.0, 1.0]])
+    mask = torch.ones(2, 4)
+    group = make_group(old.clone(), torch.tensor([1.0, -1.0]), mask, old_logp=old, entropy=entropy,
+                       batch_entropy=torch.full((100,), -1.0))
+    assert torch.equal(cwgrpo.stapo(group, method_cfg()).pg_weight, mask)  # no entropy below the 5th pct (-1)
+    # 5th percentile of 5 zeros and 95 threes: 0.95 * 3 = 2.85
+    group = group._replace(batch_entropy=torch.cat([torch.zeros(5), torch.full((95,), 3.0)]))
+    terms = cwgrpo.stapo(group, method_cfg())
+    # silenced: A > 0 (row 0) and p < 0.01 (columns 0, 1, 3) and entropy < 2.85 (columns 0, 2, 3)
+    assert (terms.pg_weight == 0).tolist() == [[True, False, False, True], [False] * 4]
+    torch.testing.assert_close(terms.pg_weight[0], torch.tensor([0.0, 2.0, 2.0, 0.0]))  # renormalised
+    torch.testing.assert_close(terms.pg_weight[1], torch.ones(4))
+
+
+@pytest.mark.parametrize("method", sorted(cwgrpo.METHODS))
+def test_every_method_trains_on_the_tiny_preset(method, tmp_path):
+    out = tmp_path / method
+    cwgrpo.train(cwgrpo.parse_config(["--preset", "tiny", "--method", method, "--steps", "2", "--save-every", "2",
+                                      "--warmstart-steps", "150", "--output-dir", str(out)]))
+    records = read_metrics(out / "metrics.jsonl")
+    passes = cwgrpo.METHODS[method].update_passes
+    assert [r["update_pass"] for r in records] == list(range(passes)) * 2  # lopti: low pass first
+    assert all(math.isfinite(r[k]) for r in records for k in ("loss", "grad_norm", "w_mean", "touched_frac"))
+    if passes == 2:  # the two passes' active tokens partition the valid tokens
+        assert records[0]["pg_active_frac"] + records[1]["pg_active_frac"] == pytest.approx(1.0)
