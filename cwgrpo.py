@@ -6,6 +6,7 @@ Every formula cites its section of SPEC.md (the project's math reference, kept b
 
     python cwgrpo.py --method cw                 # the paper's 1.5B recipe (one CUDA GPU)
     python cwgrpo.py --method cw --preset tiny   # a tiny model on a synthetic task, on a laptop CPU
+    python cwgrpo.py ablate --methods all --seeds 3 --preset tiny   # every method side by side
 
 Sections: 1 config, 2 data, 3 reward, 4 sampling, 5 log-probs, 6 advantages, 7 token weights (the
 methods), 8 loss, 9 checkpoints, 10 the tiny preset, 11 the training loop.
@@ -19,8 +20,10 @@ import multiprocessing
 import os
 import random
 import shutil
+import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal, NamedTuple
@@ -172,8 +175,9 @@ def parse_config(argv=None) -> Config:
     preset_parser = argparse.ArgumentParser(add_help=False)
     preset_parser.add_argument("--preset", default=Config.preset, choices=list(PRESETS))
     preset = preset_parser.parse_known_args(argv)[0].preset
-    parser = HfArgumentParser(Config, description=__doc__.split("\n\n")[0],
-                              epilog="methods: " + "; ".join(f"{k}: {m.description}" for k, m in METHODS.items()))
+    parser = HfArgumentParser(Config, description=__doc__.split("\n\n")[0], epilog=(
+        "methods: " + "; ".join(f"{k}: {m.description}" for k, m in METHODS.items())
+        + ". Subcommand: python cwgrpo.py ablate --help (methods x seeds, a table and a plot)."))
     parser.set_defaults(**PRESETS[preset])
     (cfg,) = parser.parse_args_into_dataclasses(argv)
     return cfg
@@ -245,14 +249,16 @@ class PromptStream:
                 self.items.append((ids, str(gold)))
         if not self.items:
             raise SystemExit(f"error: every prompt is longer than --max-prompt-length {cfg.max_prompt_length}")
-        self.seed, self.position = cfg.seed, 0
+        self.seed, self.position, self.epoch_order = cfg.seed, 0, {}
 
     def next_batch(self, n: int) -> list[tuple[list[int], str]]:
         batch = []
         for _ in range(n):
             epoch, index = divmod(self.position, len(self.items))
-            order = torch.randperm(len(self.items), generator=torch.Generator().manual_seed(self.seed + epoch))
-            batch.append(self.items[order[index]])
+            if epoch not in self.epoch_order:
+                generator = torch.Generator().manual_seed(self.seed + epoch)
+                self.epoch_order = {epoch: torch.randperm(len(self.items), generator=generator).tolist()}
+            batch.append(self.items[self.epoch_order[epoch][index]])
             self.position += 1
         return batch
 
@@ -267,12 +273,18 @@ class Grade(NamedTuple):
     timed_out: bool
 
 
-def grade_accuracy(completion: str, gold: str) -> Grade:
-    """math-verify accuracy, gold first (verify is not symmetric). Runs inside the grading worker."""
-    from latex2sympy2_extended import NormalizationConfig
-    from math_verify import LatexExtractionConfig, parse, verify
+def grade_accuracy(completion: str, gold: str, gold_format: str = "default") -> Grade:
+    """math-verify accuracy, gold first (verify is not symmetric). Runs inside the grading worker.
 
-    gold_parsed = parse(gold)  # math-verify's default extraction (LaTeX, then plain expressions)
+    gold_format: "default" is math-verify's default extraction (LaTeX, then plain expressions), the
+    training reward's; the benchmarks of evaluate.py parse their gold as "expr" or "latex".
+    """
+    from latex2sympy2_extended import NormalizationConfig
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+    gold_targets = {"default": [LatexExtractionConfig(), ExprExtractionConfig()], "expr": [ExprExtractionConfig()],
+                    "latex": [LatexExtractionConfig()]}[gold_format]
+    gold_parsed = parse(gold, extraction_config=gold_targets)
     if not gold_parsed:
         return Grade(0.0, False, False)
     prediction = parse(completion, extraction_mode="first_match", extraction_config=[LatexExtractionConfig(
@@ -287,11 +299,11 @@ def grading_worker(conn) -> None:
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # its timeout warnings, one per hang
     while True:
         try:
-            completion, gold = conn.recv()
+            completion, gold, gold_format = conn.recv()
         except EOFError:
             return
         try:
-            conn.send(grade_accuracy(completion, gold))
+            conn.send(grade_accuracy(completion, gold, gold_format))
         except Exception:  # noqa: BLE001 - any failure inside the grader is a wrong answer, not a crash
             conn.send(Grade(0.0, True, False))
 
@@ -321,8 +333,8 @@ class Grader:
         self.process.join()
         self.process = None
 
-    def grade(self, completion: str, gold: str) -> Grade:
-        key = (completion, gold)
+    def grade(self, completion: str, gold: str, gold_format: str = "default") -> Grade:
+        key = (completion, gold, gold_format)
         if key not in self.cache:
             if self.process is None:
                 self.start_worker()
@@ -1050,7 +1062,144 @@ def keep_metrics_until(metrics_path: Path, rollout_step: int) -> None:
         metrics_path.write_text("".join(line + "\n" for line in kept))
 
 
+# ----------------------------------------------------------------------------------------------------
+# 12. Ablation: methods x seeds on one preset, a table and a plot
+# ----------------------------------------------------------------------------------------------------
+
+@dataclass
+class AblationConfig:
+    methods: str = field(default="all", metadata={"help": "comma-separated method names, or all"})
+    seeds: int = field(default=3, metadata={"help": "runs per method, with seeds 0 .. seeds-1"})
+    preset: Literal["paper-1.5b", "paper-7b", "tiny"] = field(default="tiny", metadata={
+        "help": "the recipe every run uses; options after -- go to every run (e.g. -- --steps 300)"})
+    output_dir: str = field(default="runs/ablation", metadata={
+        "help": "gets <method>-seed<seed>/ per run, ablation.md and ablation.png; rerunning resumes"})
+    workers: int = field(default=0, metadata={"help": "runs at a time; 0 is one per CPU core"})
+    threshold: float = field(default=1.2, metadata={
+        "help": "reward level for 'steps to threshold' (first step where the 10-step mean reaches it)"})
+    plot: bool = field(default=True, metadata={"help": "draw ablation.png (needs matplotlib)"})
+
+
+def moving_average(values: list, window: int = 10) -> list:
+    return [sum(values[max(0, i + 1 - window):i + 1]) / len(values[max(0, i + 1 - window):i + 1])
+            for i in range(len(values))]
+
+
+def run_summary(run_dir: Path, threshold: float) -> dict:
+    """Per rollout step: reward and entropy; and the run's final figures over its last 10% of steps."""
+    by_step = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        by_step.setdefault(record["rollout_step"], []).append(record)
+    steps = sorted(by_step)
+    reward = [by_step[s][0]["reward_mean"] for s in steps]
+    entropy = [by_step[s][0]["entropy_mean"] for s in steps]
+    tail = max(1, len(steps) // 10)
+    reached = [s for s, r in zip(steps, moving_average(reward)) if r >= threshold]
+    records = [r for s in steps for r in by_step[s]]
+    return {"reward": reward, "entropy": entropy, "final_reward": sum(reward[-tail:]) / tail,
+            "final_entropy": sum(entropy[-tail:]) / tail, "steps_to_threshold": reached[0] if reached else None,
+            "touched_frac": sum(r["touched_frac"] for r in records) / len(records),
+            "wall_s": json.loads((run_dir / "wall_time.json").read_text())["wall_s"]}
+
+
+def mean_std(values: list, digits: int = 3) -> str:
+    t = torch.tensor(values, dtype=torch.float64)
+    return f"{t.mean():.{digits}f} ± {t.std():.{digits}f}" if len(values) > 1 else f"{t.mean():.{digits}f}"
+
+
+def ablate(argv: list) -> Path:
+    split = argv.index("--") if "--" in argv else len(argv)
+    own, run_args = argv[:split], argv[split + 1:]
+    (acfg,) = HfArgumentParser(AblationConfig, prog="cwgrpo.py ablate").parse_args_into_dataclasses(own)
+    methods = list(METHODS) if acfg.methods == "all" else acfg.methods.split(",")
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"error: unknown method {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    if acfg.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise SystemExit("error: ablation.png needs matplotlib: pip install matplotlib, or pass --no-plot") from None
+    output_dir = Path(acfg.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    workers = acfg.workers or os.cpu_count() or 1
+    runs = [(m, seed, output_dir / f"{m}-seed{seed}") for m in methods for seed in range(acfg.seeds)]
+
+    def run_one(job):
+        method, seed, run_dir = job
+        if (run_dir / "wall_time.json").is_file():
+            return  # finished by an earlier invocation
+        command = [sys.executable, os.path.abspath(__file__), "--preset", acfg.preset, "--method", method,
+                   "--seed", str(seed), "--output-dir", str(run_dir), *run_args]
+        if (run_dir / "metrics.jsonl").exists():
+            command.append("--resume")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // workers))}
+        start = time.perf_counter()
+        with (run_dir / "log.txt").open("w") as log:
+            done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        if done.returncode:
+            raise SystemExit(f"error: {method} seed {seed} failed; see {run_dir / 'log.txt'}")
+        (run_dir / "wall_time.json").write_text(json.dumps({"wall_s": time.perf_counter() - start}))
+
+    with ThreadPoolExecutor(workers) as pool:
+        for _ in tqdm(pool.map(run_one, runs), total=len(runs), desc="ablation"):
+            pass
+    summaries = {m: [run_summary(d, acfg.threshold) for mm, _, d in runs if mm == m] for m in methods}
+    write_ablation_table(output_dir / "ablation.md", summaries, acfg, run_args)
+    if acfg.plot:
+        plot_ablation(output_dir / "ablation.png", summaries, acfg)
+    return output_dir
+
+
+def write_ablation_table(path: Path, summaries: dict, acfg: AblationConfig, run_args: list) -> None:
+    lines = [f"Preset `{acfg.preset}`{' with ' + ' '.join(run_args) if run_args else ''}, {acfg.seeds} seeds per "
+             f"method (mean ± std over seeds). Final figures are means over the last 10% of rollout steps; "
+             f"'steps to {acfg.threshold}' is the first rollout step whose 10-step mean reward reaches it "
+             f"(seeds that never do are left out, counted in brackets); 'touched' is the share of valid tokens "
+             f"the method weighted, masked or penalised differently from GRPO.", "",
+             f"| method | final reward | final entropy | steps to {acfg.threshold} | wall s | touched |",
+             "|---|---|---|---|---|---|"]
+    for method, runs in summaries.items():
+        reached = [r["steps_to_threshold"] for r in runs if r["steps_to_threshold"] is not None]
+        never = len(runs) - len(reached)
+        lines.append(f"| {method} | {mean_std([r['final_reward'] for r in runs])} | "
+                     f"{mean_std([r['final_entropy'] for r in runs])} | "
+                     f"{(mean_std(reached, 0) + (f' ({never} never)' if never else '')) if reached else 'never'} | "
+                     f"{mean_std([r['wall_s'] for r in runs], 0)} | "
+                     f"{100 * sum(r['touched_frac'] for r in runs) / len(runs):.1f}% |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot_ablation(path: Path, summaries: dict, acfg: AblationConfig) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    figure, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    for method, runs in summaries.items():
+        for axis, key in zip(axes, ("reward", "entropy")):
+            length = min(len(r[key]) for r in runs)
+            curves = torch.tensor([moving_average(r[key][:length]) for r in runs])
+            mean, std = curves.mean(0), curves.std(0) if len(runs) > 1 else torch.zeros(length)
+            steps = range(1, length + 1)
+            line, = axis.plot(steps, mean, label=method, linewidth=1.2)
+            axis.fill_between(steps, mean - std, mean + std, color=line.get_color(), alpha=0.12)
+    for axis, label in zip(axes, ("reward (10-step mean)", "entropy (10-step mean)")):
+        axis.set_xlabel("rollout step")
+        axis.set_ylabel(label)
+        axis.grid(alpha=0.3)
+    axes[1].legend(fontsize=8, ncol=2)
+    figure.suptitle(f"preset {acfg.preset}: mean over {acfg.seeds} seeds, band ± 1 std")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["ablate"]:
+        print(f"done: {ablate(argv[1:])}")
+        return
     cfg = parse_config(argv)
     output_dir = train(cfg)
     print(f"done: metrics in {output_dir / 'metrics.jsonl'}, model in {output_dir / 'final-model'}")

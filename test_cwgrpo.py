@@ -496,3 +496,85 @@ def test_every_method_trains_on_the_tiny_preset(method, tmp_path):
     assert all(math.isfinite(r[k]) for r in records for k in ("loss", "grad_norm", "w_mean", "touched_frac"))
     if passes == 2:  # the two passes' active tokens partition the valid tokens
         assert records[0]["pg_active_frac"] + records[1]["pg_active_frac"] == pytest.approx(1.0)
+
+
+# -------------------------------------------------------------------------------------- evaluate.py
+
+import evaluate  # noqa: E402
+
+
+@pytest.mark.parametrize("n,c,k,expected", [
+    (5, 0, 1, 0.0), (5, 5, 1, 1.0), (5, 5, 5, 1.0), (5, 2, 1, 0.4), (4, 1, 2, 0.5),
+    (10, 3, 5, 1 - 21 / 252),  # 1 - C(7,5)/C(10,5)
+    (10, 7, 4, 1.0),           # k > n - c: every draw of 4 holds a correct one
+])
+def test_pass_at_k_exact(n, c, k, expected):
+    assert evaluate.pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize("completion,gold,gold_format,score", [
+    ("... Therefore, the final answer is: $\\boxed{33}$. I hope it is correct", "33", "expr", 1.0),  # AIME/AMC
+    ("Therefore, the final answer is: $\\boxed{34}$.", "33", "expr", 0.0),
+    ("so $\\boxed{\\dfrac{1}{2}}$", "We find $x = \\boxed{\\frac{1}{2}}$.", "latex", 1.0),  # MATH-500 / Minerva solutions
+    ("so $\\boxed{0.5}$", "The answer is $\\boxed{\\frac{1}{2}}$", "latex", 1.0),
+    ("the final answer is: $\\boxed{\\frac{\\sqrt{3}}{2}}$", "$\\frac{\\sqrt{3}}{2}$", "latex", 1.0),  # OlympiadBench
+    ("the final answer is: $\\boxed{\\sqrt{3}}$", "$\\frac{\\sqrt{3}}{2}$", "latex", 0.0),
+])
+def test_grading_of_each_benchmarks_gold_form(completion, gold, gold_format, score):
+    assert Grader().grade(completion, gold, gold_format).accuracy == score
+
+
+def test_evaluate_tiny_model_on_a_local_file_and_resume(tiny_run, tmp_path):
+    bench = tmp_path / "arith.jsonl"
+    bench.write_text("".join(json.dumps({"problem": f"{a}+{a}", "answer": str(2 * a)}) + "\n" for a in range(5)))
+    out = tmp_path / "eval"
+    args = ["--model", str(tiny_run / "final-model"), "--benchmarks", str(bench), "--gold-format", "expr",
+            "--n", "3", "--max-new-tokens", "8", "--batch-size", "2", "--output-dir", str(out), "--device", "cpu"]
+    evaluate.main(args)
+    results = json.loads((out / "results.json").read_text())["benchmarks"]["arith"]
+    assert results["problems"] == 5 and results["samples_per_problem"] == 3
+    assert set(results["pass@k"]) == {"1", "2"}
+    assert all(len(p["completions"]) == 3 and len(p["correct"]) == 3 for p in results["per_problem"])
+    assert results["pass@1"] == pytest.approx(100 * results["correct_samples"] / 15)
+    table = (out / "results.md").read_text()
+    assert "| model / method | arith | avg |" in table and "(measured)" in table and "(published)" not in table
+
+    progress = out / "arith.jsonl"
+    lines = progress.read_text().splitlines()
+    progress.write_text("\n".join(lines[:-1]) + "\n")  # as if killed before the last problem was written
+    evaluate.main(args)
+    relines = progress.read_text().splitlines()
+    assert len(relines) == len(lines) and relines[:-1] == lines[:-1]  # only the missing problem was generated
+
+
+def test_evaluate_rejects_unknown_benchmark(tiny_run):
+    with pytest.raises(SystemExit, match="unknown benchmark 'aime25'; known: aime24, math500"):
+        evaluate.main(["--model", str(tiny_run / "final-model"), "--benchmarks", "aime25"])
+
+
+def test_evaluate_checkpoints_writes_the_stability_table(tiny_run, tmp_path):
+    bench = tmp_path / "arith.jsonl"
+    bench.write_text("".join(json.dumps({"problem": f"{a}+1", "answer": str(a + 1)}) + "\n" for a in range(3)))
+    out = tmp_path / "ckpt"
+    evaluate.main(["--checkpoints", str(tiny_run / "checkpoint-*"), "--benchmarks", str(bench), "--gold-format",
+                   "expr", "--protocol", "paper", "--max-new-tokens", "6", "--output-dir", str(out)])
+    table = (out / "checkpoints.md").read_text()
+    assert "| benchmark | step 2 | step 4 |" in table and "| arith |" in table
+    assert (out / "checkpoint-2" / "results.json").is_file() and (out / "checkpoint-4" / "results.md").is_file()
+
+
+def test_ablate_writes_table_and_resumes(tmp_path):
+    out = tmp_path / "ablation"
+    args = ["--methods", "grpo,cw", "--seeds", "2", "--no-plot", "--output-dir", str(out), "--threshold", "0.1",
+            "--", "--steps", "2", "--save-every", "2", "--warmstart-steps", "100"]
+    cwgrpo.ablate(args)
+    rows = [line for line in (out / "ablation.md").read_text().splitlines() if line.startswith("| grpo") or
+            line.startswith("| cw")]
+    assert len(rows) == 2 and all(line.count("|") == 7 for line in rows)
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["cw-seed0", "cw-seed1", "grpo-seed0", "grpo-seed1"]
+    assert len(read_metrics(out / "cw-seed1" / "metrics.jsonl")) == 2
+    stamp = (out / "cw-seed0" / "wall_time.json").stat().st_mtime_ns
+    cwgrpo.ablate(args)  # finished runs are not run again
+    assert (out / "cw-seed0" / "wall_time.json").stat().st_mtime_ns == stamp
+    with pytest.raises(SystemExit, match="unknown method nope"):
+        cwgrpo.ablate(["--methods", "grpo,nope", "--no-plot", "--output-dir", str(out)])

@@ -1,0 +1,286 @@
+"""evaluate.py: a checkpoint on the paper's five math benchmarks, its protocol and a robust one.
+
+    python evaluate.py --model runs/cw-paper-1.5b-seed2025/checkpoint-100 --protocol paper   # the paper's numbers
+    python evaluate.py --model PATH --n 16                      # avg@16 and pass@k with error bars
+    python evaluate.py --model PATH --benchmarks my.jsonl --question-column q --gold-column a
+    python evaluate.py --checkpoints "runs/x/checkpoint-*"      # the checkpoint-stability table
+
+Benchmarks, prompt and sampling follow SPEC "Evaluation protocol"; grading is cwgrpo.py's math-verify
+reward, with the gold parsed as an expression or as LaTeX per benchmark.
+"""
+
+import glob
+import json
+import math
+import re
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal, NamedTuple
+
+import torch
+from tqdm import tqdm
+from transformers import GenerationConfig, HfArgumentParser
+
+import cwgrpo
+
+
+class Benchmark(NamedTuple):
+    source: str        # hub id or local file
+    split: str
+    question_column: str
+    gold_column: str
+    gold_format: str   # how math-verify parses the gold: "expr" or "latex"
+
+
+# SPEC "Evaluation protocol": hub id, split, question field, gold field, gold parsing
+BENCHMARKS = {
+    "aime24": Benchmark("HuggingFaceH4/aime_2024", "train", "problem", "answer", "expr"),
+    "math500": Benchmark("HuggingFaceH4/MATH-500", "test", "problem", "solution", "latex"),
+    "amc23": Benchmark("knoveleng/AMC-23", "train", "problem", "answer", "expr"),
+    "minerva": Benchmark("knoveleng/Minerva-Math", "train", "problem", "solution", "latex"),
+    "olympiadbench": Benchmark("knoveleng/OlympiadBench", "train", "question", "answer", "latex"),
+}
+TABLE_NAMES = {"aime24": "AIME24", "math500": "MATH-500", "amc23": "AMC23", "minerva": "Minerva",
+               "olympiadbench": "OlympiadBench"}
+
+# SPEC "Evaluation protocol": user prompt, no system prompt
+EVAL_PROMPT = ("Solve the following math problem efficiently and clearly.  The last line of your response should be "
+               "of the following format: 'Therefore, the final answer is: $\\boxed{{ANSWER}}$. I hope it is correct' "
+               "(without quotes) where ANSWER is just the final number or expression that solves the problem. Think "
+               "step by step before answering.\n\n{question}")
+
+# SPEC "Published numbers" (pass@1, single sample)
+PUBLISHED = [
+    ("1.5B base (quoted from elsewhere, avg@16)", [28.8, 82.8, 62.9, 26.5, 43.3, 48.9]),
+    ("1.5B GRPO", [33.3, 85.0, 67.5, 27.2, 49.9, 52.6]),
+    ("1.5B Clip-Cov", [33.3, 85.5, 70.0, 29.0, 50.0, 53.6]),
+    ("1.5B CW-GRPO", [30.0, 87.0, 77.5, 29.8, 52.0, 55.3]),
+    ("7B base", [3.3, 82.6, 47.5, 33.1, 40.4, 41.4]),
+    ("7B GRPO", [10.0, 82.2, 55.0, 33.1, 40.3, 44.1]),
+    ("7B CW-GRPO", [13.3, 82.8, 62.5, 32.0, 42.7, 46.7]),
+]
+
+
+@dataclass
+class EvalConfig:
+    model: str = field(default="", metadata={"help": "model to evaluate: hub id or local folder"})
+    checkpoints: str = field(default="", metadata={
+        "help": "a glob of checkpoint folders (e.g. 'runs/x/checkpoint-*') for the checkpoint-stability table"})
+    benchmarks: str = field(default="aime24,math500,amc23,minerva,olympiadbench", metadata={
+        "help": "comma-separated: names from SPEC (aime24, math500, amc23, minerva, olympiadbench) or local "
+                ".json/.jsonl/.parquet files"})
+    question_column: str = field(default="problem", metadata={"help": "question column of local files"})
+    gold_column: str = field(default="answer", metadata={"help": "gold column of local files"})
+    gold_format: Literal["expr", "latex", "default"] = field(default="latex", metadata={
+        "help": "how the gold of local files is parsed: expr (plain numbers), latex, or default (both)"})
+    prompt_template: str = field(default=EVAL_PROMPT, metadata={
+        "help": "user message, with {question} where the problem goes (default: SPEC's evaluation prompt; "
+                "'{question}' for the tiny preset's models)"})
+    protocol: Literal["robust", "paper"] = field(default="robust", metadata={
+        "help": "paper: 1 sample per problem with a fixed seed, as in the paper; robust: --n samples, avg@n"})
+    n: int = field(default=8, metadata={"help": "samples per problem under the robust protocol"})
+    temperature: float = field(default=0.6, metadata={"help": "sampling temperature (SPEC: 0.6)"})
+    top_p: float = field(default=0.95, metadata={"help": "nucleus sampling (SPEC: 0.95)"})
+    max_new_tokens: int = field(default=4096, metadata={"help": "generation limit in tokens"})
+    batch_size: int = field(default=16, metadata={"help": "problems per generate call (each with n samples)"})
+    limit: int = field(default=0, metadata={"help": "evaluate only the first N problems of each benchmark"})
+    seed: int = field(default=2025, metadata={"help": "sampling seed"})
+    reward_timeout_s: float = field(default=10.0, metadata={"help": "hard limit on grading one completion"})
+    device: str = field(default="auto", metadata={"help": "auto (cuda if present), cuda or cpu"})
+    output_dir: str = field(default="", metadata={
+        "help": "results.json, results.md and per-benchmark progress (default eval/<model folder name>)"})
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of n samples with c correct (SPEC): 1 - prod(1 - k / arange(n - c + 1, n + 1))."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def load_benchmark(name: str, cfg: EvalConfig) -> tuple[str, Benchmark, list[tuple[str, str]]]:
+    if name in BENCHMARKS:
+        bench = BENCHMARKS[name]
+    elif Path(name).suffix in cwgrpo.LOCAL_DATA_FORMATS:
+        bench = Benchmark(name, "train", cfg.question_column, cfg.gold_column, cfg.gold_format)
+        name = Path(name).stem
+    else:
+        raise SystemExit(f"error: unknown benchmark '{name}'; known: {', '.join(BENCHMARKS)}, or a local "
+                         f".json/.jsonl/.parquet file")
+    rows = cwgrpo.load_rows(bench.source, bench.split, bench.question_column, bench.gold_column)
+    problems = [(str(q), str(g)) for q, g in zip(rows[bench.question_column], rows[bench.gold_column])]
+    return name, bench, problems[: cfg.limit or None]
+
+
+def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path) -> dict:
+    """Samples and grades every benchmark; finished problems are kept in <benchmark>.jsonl, so a rerun after a
+    crash only generates what is missing."""
+    device = torch.device(cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+    output_dir.mkdir(parents=True, exist_ok=True)
+    n = 1 if cfg.protocol == "paper" else cfg.n
+    benchmarks = [load_benchmark(name.strip(), cfg) for name in cfg.benchmarks.split(",") if name.strip()]
+    tokenizer = cwgrpo.load_tokenizer(model_path)
+    model = cwgrpo.load_model(model_path, torch.bfloat16 if device.type == "cuda" else torch.float32, device).eval()
+    grader = cwgrpo.Grader(cfg.reward_timeout_s)
+    generation = GenerationConfig(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=0,
+                                  max_new_tokens=cfg.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                                  eos_token_id=cwgrpo.eos_token_ids(model, tokenizer))
+    results = {}
+    for name, bench, problems in benchmarks:
+        progress_path = output_dir / f"{name}.jsonl"
+        done = {}
+        if progress_path.exists():
+            done = {r["index"]: r for r in map(json.loads, progress_path.read_text().splitlines())}
+        prompts = [cwgrpo.chat_prompt_ids(tokenizer, cfg.prompt_template.replace("{question}", q), "")
+                   for q, _ in problems]
+        todo = sorted((i for i in range(len(problems)) if i not in done), key=lambda i: len(prompts[i]))
+        with progress_path.open("a") as log, tqdm(total=len(problems), initial=len(done), desc=name) as bar:
+            for start in range(0, len(todo), cfg.batch_size):
+                batch = todo[start:start + cfg.batch_size]  # similar lengths: little padding
+                torch.manual_seed(cfg.seed + batch[0])  # a problem's samples do not depend on what ran before
+                texts = generate(model, tokenizer, [prompts[i] for i in batch], n, generation)
+                for j, i in enumerate(batch):
+                    question, gold = problems[i]
+                    completions = texts[j * n:(j + 1) * n]
+                    grades = [grader.grade(c, gold, bench.gold_format) for c in completions]
+                    done[i] = {"index": i, "prompt": question, "gold": gold, "completions": completions,
+                               "answers": [last_boxed(c) for c in completions],
+                               "correct": [g.accuracy == 1.0 for g in grades],
+                               "gold_parsed": all(g.gold_parsed for g in grades)}
+                    log.write(json.dumps(done[i]) + "\n")
+                log.flush()
+                bar.update(len(batch))
+        results[name] = summarise([done[i] for i in range(len(problems))], n)
+    return results
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts: list[list[int]], n: int, generation: GenerationConfig) -> list[str]:
+    width = max(map(len, prompts))
+    device = next(model.parameters()).device
+    ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    out = model.generate(input_ids=ids.repeat_interleave(n, 0), attention_mask=mask.repeat_interleave(n, 0),
+                         generation_config=generation)[:, width:]
+    lengths = cwgrpo.completion_mask_after_eos(out, generation.eos_token_id)[0].sum(1)
+    return tokenizer.batch_decode([row[: int(k)] for row, k in zip(out, lengths)], skip_special_tokens=True)
+
+
+def last_boxed(text: str) -> str:
+    """The last \\boxed{...} of a completion, for reading results.json (grading does not use it)."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return ""
+    depth, i = 0, start + len("\\boxed{")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth < 0:
+            return text[i:j]
+    return text[i:]
+
+
+def summarise(problems: list[dict], n: int) -> dict:
+    """pass@1 (mean over samples and problems), pass@k for the k that n allows, the spread over sample
+    indices (each a seed), counts; and the problems themselves."""
+    correct = torch.tensor([p["correct"] for p in problems], dtype=torch.float64)  # (problems, n)
+    per_sample = correct.mean(0) * 100
+    counts = correct.sum(1).long().tolist()
+    ks = [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= n]
+    return {"pass@1": per_sample.mean().item(),
+            "pass@1_std_over_samples": per_sample.std().item() if n > 1 else 0.0,
+            "pass@k": {k: 100 * sum(pass_at_k(n, c, k) for c in counts) / len(counts) for k in ks},
+            "problems": len(problems), "samples_per_problem": n, "correct_samples": int(correct.sum()),
+            "gold_unparsed": sum(not p["gold_parsed"] for p in problems), "per_problem": problems}
+
+
+def markdown_table(results: dict, label: str) -> str:
+    names = list(results)
+    known = all(name in TABLE_NAMES for name in names)
+    header = [TABLE_NAMES.get(name, name) for name in names] + ["avg"]
+    lines = ["| model / method | " + " | ".join(header) + " |", "|---|" + "---|" * len(header)]
+    if known and names == list(TABLE_NAMES):  # the published rows share the benchmark order
+        lines += [f"| {row} (published) | " + " | ".join(f"{v:.1f}" for v in values) + " |"
+                  for row, values in PUBLISHED]
+    scores = [results[name]["pass@1"] for name in names]
+    cells = [f"{s:.1f} ± {results[name]['pass@1_std_over_samples']:.1f}" if results[name]["samples_per_problem"] > 1
+             else f"{s:.1f}" for s, name in zip(scores, names)]
+    lines.append(f"| {label} (measured) | " + " | ".join(cells) + f" | {sum(scores) / len(scores):.1f} |")
+    return "\n".join(lines)
+
+
+def write_results(output_dir: Path, model_path: str, cfg: EvalConfig, results: dict) -> None:
+    n = 1 if cfg.protocol == "paper" else cfg.n
+    average = sum(r["pass@1"] for r in results.values()) / len(results)
+    (output_dir / "results.json").write_text(json.dumps(
+        {"model": model_path, "config": asdict(cfg), "average_pass@1": average, "benchmarks": results}, indent=1))
+    note = (f"pass@1 in %, {n} sample{'s' if n > 1 else ''} per problem at temperature {cfg.temperature}, "
+            f"top-p {cfg.top_p}, up to {cfg.max_new_tokens} new tokens"
+            + (", ± the std over sample indices" if n > 1 else " (the paper's protocol: one AIME problem is 3.3 "
+               "points)") + ".")
+    pass_k = "\n".join(f"- {name}: " + ", ".join(f"pass@{k} {v:.1f}" for k, v in r["pass@k"].items())
+                       + f" ({r['correct_samples']} of {r['problems'] * r['samples_per_problem']} samples correct)"
+                       for name, r in results.items())
+    (output_dir / "results.md").write_text(f"# {model_path}\n\n{note}\n\n{markdown_table(results, model_path)}\n\n"
+                                           f"{pass_k}\n")
+
+
+def checkpoint_step(path: str) -> int:
+    match = re.search(r"checkpoint-(\d+)$", path.rstrip("/"))
+    return int(match.group(1)) if match else -1
+
+
+def evaluate_checkpoints(cfg: EvalConfig, output_dir: Path) -> None:
+    """The paper's checkpoint ablation: every benchmark at every checkpoint, a table and a plot."""
+    paths = sorted(glob.glob(cfg.checkpoints), key=checkpoint_step)
+    if not paths:
+        raise SystemExit(f"error: no checkpoint matches '{cfg.checkpoints}'")
+    table = {}
+    for path in paths:
+        step_dir = output_dir / Path(path).name
+        table[checkpoint_step(path)] = evaluate_model(path, cfg, step_dir)
+        write_results(step_dir, path, cfg, table[checkpoint_step(path)])
+    names = list(next(iter(table.values())))
+    lines = ["| benchmark | " + " | ".join(f"step {s}" for s in table) + " |", "|---|" + "---|" * len(table)]
+    for name in names:
+        lines.append(f"| {TABLE_NAMES.get(name, name)} | " + " | ".join(f"{table[s][name]['pass@1']:.1f}"
+                                                                         for s in table) + " |")
+    (output_dir / "checkpoints.md").write_text("pass@1 in % per checkpoint\n\n" + "\n".join(lines) + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: no checkpoints.png without matplotlib (pip install matplotlib)")
+        return
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for name in names:
+        axis.plot(list(table), [table[s][name]["pass@1"] for s in table], marker="o", label=TABLE_NAMES.get(name, name))
+    axis.set_xlabel("training step")
+    axis.set_ylabel("pass@1 (%)")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(output_dir / "checkpoints.png", dpi=120)
+
+
+def main(argv=None) -> None:
+    (cfg,) = HfArgumentParser(EvalConfig, description=__doc__.split("\n\n")[0]).parse_args_into_dataclasses(argv)
+    if bool(cfg.model) == bool(cfg.checkpoints):
+        raise SystemExit("error: pass exactly one of --model PATH_OR_HUB_ID and --checkpoints GLOB")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda but no CUDA GPU was found; use --device cpu")
+    cwgrpo.transformers.utils.logging.disable_progress_bar()
+    source = cfg.model or cfg.checkpoints
+    output_dir = Path(cfg.output_dir or f"eval/{Path(source.rstrip('/*')).name or 'model'}")
+    if cfg.checkpoints:
+        evaluate_checkpoints(cfg, output_dir)
+        print(f"done: {output_dir / 'checkpoints.md'}")
+        return
+    results = evaluate_model(cfg.model, cfg, output_dir)
+    write_results(output_dir, cfg.model, cfg, results)
+    print((output_dir / "results.md").read_text())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
