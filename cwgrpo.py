@@ -7,9 +7,10 @@ Every formula cites its section of SPEC.md (the project's math reference, kept b
     python cwgrpo.py --method cw                 # the paper's 1.5B recipe (one CUDA GPU)
     python cwgrpo.py --method cw --preset tiny   # a tiny model on a synthetic task, on a laptop CPU
     python cwgrpo.py ablate --methods all --seeds 3 --preset tiny   # every method side by side
+    python cwgrpo.py diagnose --preset tiny --model runs/cw-tiny-seed0/final-model   # the papers' measurements
 
 Sections: 1 config, 2 data, 3 reward, 4 sampling, 5 log-probs, 6 advantages, 7 token weights (the
-methods), 8 loss, 9 checkpoints, 10 the tiny preset, 11 the training loop.
+methods), 8 loss, 9 checkpoints, 10 the tiny preset, 11 the training loop, 12 ablation, 13 diagnostics.
 """
 
 import argparse
@@ -143,6 +144,9 @@ class Config:
         "help": "continue from the newest complete checkpoint in --output-dir"})
     overwrite_output_dir: bool = field(default=False, metadata={
         "help": "start afresh in an --output-dir that already holds a run"})
+    diagnose_every: int = field(default=0, metadata={
+        "help": "append the diagnostics (covariance concentration, probability quartiles) to diagnostics.jsonl "
+                "every this many steps; 0 is off"})
     warmstart_steps: int = field(default=0, metadata={
         "help": "supervised steps on the synthetic task before RL (model 'tiny' only)"})
 
@@ -150,6 +154,7 @@ class Config:
         if self.group_size < 2:
             raise SystemExit(f"error: --group-size must be at least 2 (group advantages need two samples); "
                              f"got {self.group_size}")
+        self.groups_per_micro_batch = min(self.groups_per_micro_batch, self.prompts_per_step)
         if self.prompts_per_step % self.groups_per_micro_batch:
             raise SystemExit(f"error: --prompts-per-step ({self.prompts_per_step}) must be a multiple of "
                              f"--groups-per-micro-batch ({self.groups_per_micro_batch})")
@@ -170,17 +175,19 @@ PRESETS = {
 GPU_PRESETS = ("paper-1.5b", "paper-7b")
 
 
-def parse_config(argv=None) -> Config:
+def parse_config(argv=None, *extra_dataclasses):
+    """The run's Config (and any extra dataclasses a subcommand adds), the preset's values as defaults."""
     argv = sys.argv[1:] if argv is None else list(argv)
     preset_parser = argparse.ArgumentParser(add_help=False)
     preset_parser.add_argument("--preset", default=Config.preset, choices=list(PRESETS))
     preset = preset_parser.parse_known_args(argv)[0].preset
-    parser = HfArgumentParser(Config, description=__doc__.split("\n\n")[0], epilog=(
+    parser = HfArgumentParser((Config, *extra_dataclasses), description=__doc__.split("\n\n")[0], epilog=(
         "methods: " + "; ".join(f"{k}: {m.description}" for k, m in METHODS.items())
-        + ". Subcommand: python cwgrpo.py ablate --help (methods x seeds, a table and a plot)."))
+        + ". Subcommands (each with --help): ablate (methods x seeds, a table and a plot), diagnose (the papers' "
+          "measurements on one batch), plot-diagnostics (entropy and covariance over steps)."))
     parser.set_defaults(**PRESETS[preset])
-    (cfg,) = parser.parse_args_into_dataclasses(argv)
-    return cfg
+    parsed = parser.parse_args_into_dataclasses(argv)
+    return parsed if extra_dataclasses else parsed[0]
 
 
 def resolve_device(cfg: Config) -> torch.device:
@@ -387,6 +394,7 @@ class Rollout:
     entropy: torch.Tensor = None     # (N, T) else taken from the update's own forward pass
     divergence: torch.Tensor = None  # (N, T) ict's score
     ref_logp: torch.Tensor = None    # (N, T) only when beta > 0
+    active: torch.Tensor = None      # (N, T) tokens whose loss terms count; the diagnostics mask the rest
     batch_entropy: torch.Tensor = None  # the entropies of all valid tokens of the batch (not per row)
 
     def rows(self, start: int, stop: int) -> "Rollout":
@@ -399,7 +407,7 @@ class Rollout:
         completion_len = int(out["completion_mask"].sum(1).max())
         for name in ("prompt_ids", "prompt_mask"):
             out[name] = out[name][:, prompt_keep:]
-        for name in ("completion_ids", "completion_mask", "old_logp", "entropy", "divergence", "ref_logp"):
+        for name in ("completion_ids", "completion_mask", "old_logp", "entropy", "divergence", "ref_logp", "active"):
             if out[name] is not None:
                 out[name] = out[name][:, :completion_len]
         return Rollout(**out)
@@ -534,13 +542,17 @@ def grpo(group: Group, cfg) -> TokenTerms:
     return TokenTerms(group.mask)  # SPEC "grpo": w = 1
 
 
+def covariance_score(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """CW-GRPO's per-token covariance score for one group (SPEC "cw", steps 1-3)."""
+    mu = (logp * mask).sum(1) / mask.sum(1).clamp(min=1)                      # 1. own mean log-prob
+    centred_adv = adv - adv.mean()                                           # 2.
+    return (logp - mu[:, None]) * centred_adv[:, None] * mask                # 3.
+
+
 def cw_weights(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *, norm: str = "padded",
                detach: bool = False) -> torch.Tensor:
     """CW-GRPO's Gaussian-kernel covariance weights for one group (SPEC "cw", steps 1-8)."""
-    tokens_per_response = mask.sum(1)
-    mu = (logp * mask).sum(1) / tokens_per_response.clamp(min=1)            # 1. own mean log-prob
-    centred_adv = adv - adv.mean()                                           # 2.
-    score = (logp - mu[:, None]) * centred_adv[:, None] * mask               # 3. covariance score
+    score = covariance_score(logp, adv, mask)                                # 1-3.
     n_valid = mask.sum()
     score_mean = score.sum() / n_valid
     variance = ((score - score_mean) ** 2 * mask).sum() / n_valid             # 4. ddof=0, valid tokens
@@ -548,7 +560,7 @@ def cw_weights(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *, nor
     sigma = torch.where(variance > 0, variance, 1.0).sqrt() * (variance > 0) + 1e-8
     kernel = torch.exp(-score ** 2 / (2 * sigma ** 2)) * mask                # 5.
     if norm == "padded":                                                     # 6. released code
-        total = mask.shape[0] * tokens_per_response.max()
+        total = mask.shape[0] * mask.sum(1).max()
     elif norm == "valid":                                                    # 6. paper wording
         total = n_valid
     else:
@@ -741,7 +753,10 @@ def micro_batch_loss(model, rollout: Rollout, cfg: Config, n_responses: int, n_t
         group = Group(logp[g], old_logp[g], rollout.advantages[g], mask[g], entropy[g], rollout.batch_entropy,
                       rollout.divergence[g] if rollout.divergence is not None else None, update_pass)
         ref_logp = rollout.ref_logp[g] if rollout.ref_logp is not None else None
-        parts.append(token_losses(logp[g], old_logp[g], ref_logp, rollout.advantages[g], method.terms(group, cfg), cfg))
+        terms = method.terms(group, cfg)
+        if rollout.active is not None:
+            terms = terms._replace(active=rollout.active[g] * (1 if terms.active is None else terms.active))
+        parts.append(token_losses(logp[g], old_logp[g], ref_logp, rollout.advantages[g], terms, cfg))
     terms = {k: torch.cat([part[k] for part in parts]) for k in parts[0]}
     loss = aggregate(terms["loss"], mask, cfg.loss_aggregation, n_responses, n_tokens)
     valid = mask.bool()
@@ -926,27 +941,33 @@ def score_rollout(rollout: Rollout, grader: Grader, cfg: Config) -> dict:
 
 
 @torch.no_grad()
-def rollout_pass(model, rollout: Rollout, cfg: Config, with_divergence: bool = False):
-    """Log-probs, entropies (and ict's divergence) of a whole rollout batch under `model`, the rollout
-    policy or the reference, micro-batch by micro-batch, without gradient."""
+def rollout_pass(model, rollout: Rollout, cfg: Config, divergence: bool = False,
+                 squared_mass: bool = False) -> dict:
+    """Per-token statistics of a whole rollout batch under `model` (the rollout policy or the reference),
+    micro-batch by micro-batch, without gradient: logp and entropy, and on request ict's divergence and the
+    diagnostics' squared probability mass. Each is (N, T), 0 on padding."""
     rows = cfg.groups_per_micro_batch * cfg.group_size
-    logp, entropy = torch.zeros_like(rollout.completion_mask), torch.zeros_like(rollout.completion_mask)
-    divergence = torch.zeros_like(rollout.completion_mask) if with_divergence else None
+    names = ["logp", "entropy"] + ["divergence"] * divergence + ["squared_mass"] * squared_mass
+    out = {name: torch.zeros_like(rollout.completion_mask) for name in names}
     head = model.get_output_embeddings().weight
     for start in range(0, len(rollout.texts), rows):
         part = rollout.rows(start, start + rows)
-        width = part.completion_ids.shape[1]
-        logp[start:start + rows, :width], entropy[start:start + rows, :width], hidden = \
-            completion_logprobs(model, part, cfg)
-        for g in range(0, len(part.texts), cfg.group_size) if with_divergence else ():
-            divergence[start + g:start + g + cfg.group_size, :width] = ict_divergence(
-                hidden[g:g + cfg.group_size], head, part.completion_mask[g:g + cfg.group_size], cfg.temperature,
-                cfg.logit_chunk_tokens)
-    return logp, entropy, divergence
+        block = (slice(start, start + rows), slice(0, part.completion_ids.shape[1]))
+        out["logp"][block], out["entropy"][block], hidden = completion_logprobs(model, part, cfg)
+        if divergence:
+            for g in range(0, len(part.texts), cfg.group_size):
+                group = slice(g, g + cfg.group_size)
+                out["divergence"][block][group] = ict_divergence(
+                    hidden[group], head, part.completion_mask[group], cfg.temperature, cfg.logit_chunk_tokens)
+        if squared_mass:
+            valid = part.completion_mask.bool()
+            out["squared_mass"][block][valid] = squared_probability_mass(hidden[valid], head, cfg.temperature,
+                                                                         cfg.logit_chunk_tokens)
+    return out
 
 
-def update(model, optimizer, scheduler, rollout: Rollout, cfg: Config, autocast, update_pass: int = 0) -> dict:
-    """One optimizer step over the rollout batch, accumulating gradients over micro-batches of whole groups."""
+def accumulate_gradients(model, rollout: Rollout, cfg: Config, autocast, update_pass: int = 0):
+    """The gradient of the step's loss into .grad, micro-batch of whole groups by micro-batch."""
     model.train()
     n_responses = len(rollout.texts)
     n_tokens = int(rollout.completion_mask.sum().clamp(min=1))
@@ -959,6 +980,12 @@ def update(model, optimizer, scheduler, rollout: Rollout, cfg: Config, autocast,
         loss.backward()
         total_loss += loss.item()
         parts.append(stats)
+    return total_loss, parts
+
+
+def update(model, optimizer, scheduler, rollout: Rollout, cfg: Config, autocast, update_pass: int = 0) -> dict:
+    """One optimizer step over the rollout batch."""
+    total_loss, parts = accumulate_gradients(model, rollout, cfg, autocast, update_pass)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
     lr = scheduler.get_last_lr()[0]
     optimizer.step()
@@ -1016,6 +1043,7 @@ def train(cfg: Config) -> Path:
         torch.manual_seed(cfg.seed)
     metrics_path = output_dir / "metrics.jsonl"
     keep_metrics_until(metrics_path, start_step)
+    keep_metrics_until(output_dir / "diagnostics.jsonl", start_step)
 
     def autocast():
         return torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_cuda)
@@ -1027,12 +1055,16 @@ def train(cfg: Config) -> Path:
             rollout = sample(model, tokenizer, prompts.next_batch(cfg.prompts_per_step), cfg)
             rollout_metrics = score_rollout(rollout, grader, cfg)
             if cfg.num_iterations > 1 or method.needs_rollout_pass:
-                rollout.old_logp, rollout.entropy, rollout.divergence = rollout_pass(
-                    model, rollout, cfg, method.needs_divergence)
+                stats = rollout_pass(model, rollout, cfg, divergence=method.needs_divergence)
+                rollout.old_logp, rollout.entropy, rollout.divergence = \
+                    stats["logp"], stats["entropy"], stats.get("divergence")
                 rollout.batch_entropy = rollout.entropy[rollout.completion_mask.bool()]
             if reference is not None:
-                rollout.ref_logp = rollout_pass(reference, rollout, cfg)[0]
+                rollout.ref_logp = rollout_pass(reference, rollout, cfg)["logp"]
         rollout_s = time.perf_counter() - t0
+        if cfg.diagnose_every and (step + 1) % cfg.diagnose_every == 0:
+            with (output_dir / "diagnostics.jsonl").open("a") as f:
+                f.write(json.dumps({"rollout_step": step + 1, **diagnose_rollout(model, rollout, cfg, autocast)}) + "\n")
         for update_index in range(updates_per_rollout):
             t1 = time.perf_counter()
             update_pass = update_index % method.update_passes
@@ -1195,10 +1227,214 @@ def plot_ablation(path: Path, summaries: dict, acfg: AblationConfig) -> None:
     figure.savefig(path, dpi=120)
 
 
+# ----------------------------------------------------------------------------------------------------
+# 13. Diagnostics the papers argue from (SPEC "Diagnostics the papers argue from")
+# ----------------------------------------------------------------------------------------------------
+
+CONCENTRATION_CUTOFFS = (0.0001, 0.001, 0.01, 0.1, 1.0)  # top 0.01% ... 100% of one side's tokens
+PAPER_CONCENTRATION = {0.0001: (11.5, -13.6), 1.0: (0.06, -0.04)}  # CW-GRPO paper, R1-Distill-Qwen-1.5B
+
+
+@dataclass
+class DiagnoseConfig:
+    reference_model: str = field(default="", metadata={
+        "help": "diagnose: the KL reference (a tiny run's base-model/, say); default the model itself, which "
+                "makes the KL part of the token weight 0"})
+    diagnostics_dir: str = field(default="", metadata={
+        "help": "diagnose: where diagnostics.md and diagnostics.json go (default <model>/diagnostics)"})
+
+
+def concentration(scores: torch.Tensor) -> dict:
+    """Mean covariance score of the top X% of the positive (negative) scores for each cutoff X: how much of
+    the covariance a few tokens carry (the layout of the CW-GRPO paper's table)."""
+    out = {}
+    for side, sign in (("positive", 1.0), ("negative", -1.0)):
+        magnitudes = (scores[scores * sign > 0] * sign).sort(descending=True).values
+        out[side] = {cut: (sign * magnitudes[:max(1, math.ceil(cut * len(magnitudes)))].mean()).item()
+                     if len(magnitudes) else 0.0 for cut in CONCENTRATION_CUTOFFS}
+    return out
+
+
+def quantile_masks(values: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    """`parts` boolean masks that split `values` at its quantiles; together they partition it."""
+    edges = torch.quantile(values.float(), torch.arange(1, parts, device=values.device) / parts)
+    bucket = torch.bucketize(values.float(), edges)  # a value equal to an edge goes to the lower part
+    return [bucket == q for q in range(parts)]
+
+
+@torch.no_grad()
+def squared_probability_mass(hidden: torch.Tensor, weight: torch.Tensor, temperature: float,
+                             chunk_tokens: int) -> torch.Tensor:
+    """sum_v p_v^2 per position, streamed like the log-probs, for ||onehot - p||^2 = 1 - 2 p_y + sum_v p_v^2."""
+    return torch.cat([(F.linear(hidden[s:s + chunk_tokens], weight).float() / temperature).softmax(-1).pow(2).sum(-1)
+                      for s in range(0, hidden.shape[0], chunk_tokens)])
+
+
+def quartile_gradients(model, rollout: Rollout, cfg: Config, autocast, quartiles: list[torch.Tensor]) -> dict:
+    """L2 norm of the parameter gradient of the step's loss with only one quartile's tokens active (their PG
+    and KL terms; the rest masked), and its cosine with the full gradient (SPEC diagnostics)."""
+    def gradient(active: torch.Tensor) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        accumulate_gradients(model, dataclasses.replace(rollout, active=active), cfg, autocast)
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    full = gradient(rollout.completion_mask)
+    per_quartile = [gradient(q.float()) for q in quartiles]
+    model.zero_grad(set_to_none=True)
+    return {"full_norm": full.norm().item(), "norm": [g.norm().item() for g in per_quartile],
+            "cosine_with_full": [F.cosine_similarity(g, full, dim=0).item() for g in per_quartile]}
+
+
+def diagnose_rollout(model, rollout: Rollout, cfg: Config, autocast) -> dict:
+    """The papers' measurements on one scored rollout batch (ref_logp set when beta > 0), through the
+    training code's loss path. Restores the RNG and leaves no gradient, so training goes on unchanged."""
+    rng = rng_states()
+    stats = rollout_pass(model, rollout, cfg, squared_mass=True)
+    logp, mask, valid = stats["logp"], rollout.completion_mask, rollout.completion_mask.bool()
+    groups = [slice(i, i + cfg.group_size) for i in range(0, len(rollout.texts), cfg.group_size)]
+    score = torch.cat([covariance_score(logp[g], rollout.advantages[g], mask[g]) for g in groups])[valid]
+    cw = torch.cat([cw_weights(logp[g], rollout.advantages[g], mask[g], norm=cfg.cw_norm) for g in groups])[valid]
+    prob = logp.exp()[valid]
+    quartiles = quantile_masks(prob, 4)
+    logit_grad_unit = (1 - 2 * prob + stats["squared_mass"][valid]).clamp(min=0).sqrt()  # ||onehot - p||
+    report = {"tokens": int(valid.sum()), "concentration": concentration(score), "quartiles": [
+        {"prob_min": prob[q].min().item(), "prob_max": prob[q].max().item(), "tokens": int(q.sum()),
+         "cw_weight_mean": cw[q].mean().item()} for q in quartiles],
+        "cw_weight_by_covariance_decile": [cw[d].mean().item() for d in quantile_masks(score, 10)]}
+    adv = rollout.advantages[:, None].expand_as(logp)[valid]
+    for beta in sorted({0.0, cfg.beta}):
+        # Yang et al.'s token weight, on-policy (ratio 1, nothing clipped): A + beta * (pi_ref / pi - 1)
+        weight = adv.clone()
+        if beta > 0 and rollout.ref_logp is not None:
+            weight += beta * ((rollout.ref_logp - logp)[valid].exp() - 1)
+        key = f"beta={beta:g}"
+        gradients = quartile_gradients(model, dataclasses.replace(rollout, ref_logp=rollout.ref_logp if beta else None),
+                                       dataclasses.replace(cfg, beta=beta), autocast,
+                                       [scatter_valid(q, valid) for q in quartiles])
+        report.setdefault("full_gradient_norm", {})[key] = gradients["full_norm"]
+        for i, q in enumerate(quartiles):
+            report["quartiles"][i][key] = {
+                "abs_weight_mean": weight[q].abs().mean().item(), "abs_weight_median": weight[q].abs().median().item(),
+                "logit_grad_norm_mean": (weight[q].abs() * logit_grad_unit[q]).mean().item(),
+                "param_grad_norm": gradients["norm"][i], "cosine_with_full": gradients["cosine_with_full"][i]}
+    set_rng_states(rng)
+    return report
+
+
+def scatter_valid(flat: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """A (N, T) tensor holding `flat` at the valid positions, 0 elsewhere."""
+    out = torch.zeros(valid.shape, device=valid.device)
+    out[valid] = flat.float()
+    return out
+
+
+def diagnostics_markdown(report: dict, cfg: Config, source: str) -> str:
+    cut_names = [f"{100 * c:g}%" for c in CONCENTRATION_CUTOFFS]
+    lines = [f"# Diagnostics of {source}", "",
+             f"One rollout batch of `--preset {cfg.preset}`: {cfg.prompts_per_step} prompts x G = {cfg.group_size}, "
+             f"{report['tokens']} valid tokens, method `{cfg.method}` for the gradients.", "",
+             "## Covariance concentration", "",
+             "Mean CW covariance score (SPEC cw step 3) of the top X% of the positive (negative) scores.", "",
+             "| side | " + " | ".join(cut_names) + " |", "|---|" + "---|" * len(cut_names)]
+    for side in ("positive", "negative"):
+        lines.append(f"| {side} (measured) | " + " | ".join(f"{report['concentration'][side][c]:.4g}"
+                                                          for c in CONCENTRATION_CUTOFFS) + " |")
+    for i, side in enumerate(("positive", "negative")):
+        lines.append(f"| {side} (paper, 1.5B) | " + " | ".join(
+            f"{PAPER_CONCENTRATION[c][i]:g}" if c in PAPER_CONCENTRATION else "-" for c in CONCENTRATION_CUTOFFS) + " |")
+    betas = [k for k in report["full_gradient_norm"]]
+    lines += ["", "## Probability-quartile accounting", "",
+              "Valid tokens split at the quartiles of their probability. |w| is the token weight A x ratio + "
+              "beta (pi_ref / pi - 1); the logit-gradient norm is |w| ||onehot - p||; the parameter-gradient norm "
+              "is that of the step's loss with only the quartile's tokens active; cos is its cosine with the full "
+              "gradient (full norms: " + ", ".join(f"{b}: {report['full_gradient_norm'][b]:.4g}" for b in betas) + ").",
+              "", "| quartile | p range | tokens | " + " | ".join(
+                  f"mean \\|w\\| {b} | median \\|w\\| {b} | logit grad {b} | param grad {b} | cos {b}" for b in betas)
+              + " | CW weight |", "|---|---|---|" + "---|" * (5 * len(betas) + 1)]
+    for i, q in enumerate(report["quartiles"]):
+        cells = [f"{q[b]['abs_weight_mean']:.4g} | {q[b]['abs_weight_median']:.4g} | {q[b]['logit_grad_norm_mean']:.4g} | "
+                 f"{q[b]['param_grad_norm']:.4g} | {q[b]['cosine_with_full']:.3f}" for b in betas]
+        lines.append(f"| Q{i + 1} | {q['prob_min']:.3g} - {q['prob_max']:.3g} | {q['tokens']} | " + " | ".join(cells)
+                     + f" | {q['cw_weight_mean']:.3f} |")
+    lines += ["", "## CW weights by covariance decile", "",
+              "| decile | " + " | ".join(f"D{i + 1}" for i in range(10)) + " |", "|---|" + "---|" * 10,
+              "| mean CW weight | " + " | ".join(f"{w:.3f}" for w in report["cw_weight_by_covariance_decile"]) + " |"]
+    return "\n".join(lines) + "\n"
+
+
+def diagnose(argv: list) -> Path:
+    cfg, dcfg = parse_config(argv, DiagnoseConfig)
+    if cfg.model == "tiny":
+        raise SystemExit("error: diagnose needs a trained model: --model PATH (e.g. runs/cw-tiny-seed0/final-model)")
+    device = resolve_device(cfg)
+    transformers.utils.logging.disable_progress_bar()
+    tokenizer = load_tokenizer(cfg.model)
+    model = load_model(cfg.model, torch.float32, device)
+    on_cuda = device.type == "cuda"
+    reference = None
+    if cfg.beta > 0:
+        reference = load_model(dcfg.reference_model or cfg.model, torch.bfloat16 if on_cuda else torch.float32,
+                               device).eval()
+
+    def autocast():
+        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_cuda)
+
+    torch.manual_seed(cfg.seed)
+    prompts = PromptStream(load_training_rows(cfg), tokenizer, cfg)
+    with autocast():
+        rollout = sample(model, tokenizer, prompts.next_batch(cfg.prompts_per_step), cfg)
+        score_rollout(rollout, Grader(cfg.reward_timeout_s), cfg)
+        if reference is not None:
+            rollout.ref_logp = rollout_pass(reference, rollout, cfg)["logp"]
+    report = diagnose_rollout(model, rollout, cfg, autocast)
+    out = Path(dcfg.diagnostics_dir or Path(cfg.model) / "diagnostics")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "diagnostics.json").write_text(json.dumps(report, indent=1))
+    (out / "diagnostics.md").write_text(diagnostics_markdown(report, cfg, cfg.model))
+    return out
+
+
+@dataclass
+class PlotConfig:
+    runs: list[str] = field(metadata={"help": "run folders holding metrics.jsonl and diagnostics.jsonl"})
+    output: str = field(default="diagnostics.png", metadata={"help": "the figure to write"})
+
+
+def plot_diagnostics(argv: list) -> Path:
+    """Entropy and the top-0.01% covariance over training steps, several runs on one figure."""
+    (pcfg,) = HfArgumentParser(PlotConfig, prog="cwgrpo.py plot-diagnostics").parse_args_into_dataclasses(argv)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("error: plot-diagnostics needs matplotlib: pip install matplotlib") from None
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for run in map(Path, pcfg.runs):
+        if not (run / "diagnostics.jsonl").is_file():
+            raise SystemExit(f"error: {run} has no diagnostics.jsonl; train it with --diagnose-every N")
+        metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        left.plot([r["step"] for r in metrics], [r["entropy_mean"] for r in metrics], label=run.name)
+        diagnostics = [json.loads(line) for line in (run / "diagnostics.jsonl").read_text().splitlines()]
+        steps = [d["rollout_step"] for d in diagnostics]
+        line, = right.plot(steps, [d["concentration"]["positive"][str(CONCENTRATION_CUTOFFS[0])] for d in diagnostics],
+                           marker="o", label=f"{run.name} +")
+        right.plot(steps, [d["concentration"]["negative"][str(CONCENTRATION_CUTOFFS[0])] for d in diagnostics],
+                   marker="v", linestyle="--", color=line.get_color(), label=f"{run.name} -")
+    left.set(xlabel="step", ylabel="entropy_mean")
+    right.set(xlabel="rollout step", ylabel="mean covariance score of the top 0.01%")
+    for axis in (left, right):
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(pcfg.output, dpi=120)
+    return Path(pcfg.output)
+
+
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["ablate"]:
-        print(f"done: {ablate(argv[1:])}")
+    subcommands = {"ablate": ablate, "diagnose": diagnose, "plot-diagnostics": plot_diagnostics}
+    if argv[:1] and argv[0] in subcommands:
+        print(f"done: {subcommands[argv[0]](argv[1:])}")
         return
     cfg = parse_config(argv)
     output_dir = train(cfg)

@@ -3,6 +3,7 @@
 Run: python -m pytest -q test_cwgrpo.py   (CPU, no network)
 """
 
+import contextlib
 import json
 import math
 import os
@@ -578,3 +579,91 @@ def test_ablate_writes_table_and_resumes(tmp_path):
     assert (out / "cw-seed0" / "wall_time.json").stat().st_mtime_ns == stamp
     with pytest.raises(SystemExit, match="unknown method nope"):
         cwgrpo.ablate(["--methods", "grpo,nope", "--no-plot", "--output-dir", str(out)])
+
+
+# ------------------------------------------------------------------------------------- diagnostics
+
+def test_concentration_hand_computed():
+    # 4 positive scores (10, 3, 2, 1) and 2 negative (-6, -2); zeros belong to neither side
+    scores = torch.tensor([1.0, -2.0, 10.0, 0.0, 3.0, -6.0, 2.0])
+    result = cwgrpo.concentration(scores)
+    # top 0.01%, 0.1%, 1% of 4 tokens: 1 token; 10%: ceil(0.4) = 1; 100%: all four
+    assert result["positive"] == {0.0001: 10.0, 0.001: 10.0, 0.01: 10.0, 0.1: 10.0, 1.0: 4.0}
+    assert result["negative"] == {0.0001: -6.0, 0.001: -6.0, 0.01: -6.0, 0.1: -6.0, 1.0: -4.0}
+    many = torch.arange(1.0, 1001.0)  # top 1% of 1000 = the 10 largest: mean 995.5; top 10%: mean 950.5
+    assert cwgrpo.concentration(many)["positive"][0.01] == 995.5
+    assert cwgrpo.concentration(many)["positive"][0.1] == 950.5
+    assert cwgrpo.concentration(many)["negative"][1.0] == 0.0
+
+
+def test_quantile_masks_partition():
+    values = torch.rand(1001, generator=torch.Generator().manual_seed(0))
+    masks = cwgrpo.quantile_masks(values, 4)
+    assert torch.equal(sum(m.long() for m in masks), torch.ones(1001, dtype=torch.long))
+    assert [int(m.sum()) for m in masks] == [251, 250, 250, 250]
+    assert all(values[a].max() <= values[b].min() for a, b in zip(masks, masks[1:]))
+
+
+@pytest.fixture(scope="module")
+def scored_rollout(tiny_run):
+    cfg = cwgrpo.parse_config(["--preset", "tiny", "--prompts-per-step", "4", "--groups-per-micro-batch", "2"])
+    tokenizer = cwgrpo.load_tokenizer(str(tiny_run / "final-model"))
+    model = cwgrpo.load_model(str(tiny_run / "final-model"), torch.float32, torch.device("cpu"))
+    reference = cwgrpo.load_model(str(tiny_run / "base-model"), torch.float32, torch.device("cpu"))
+    torch.manual_seed(0)
+    prompts = cwgrpo.PromptStream(cwgrpo.tiny_arithmetic(0), tokenizer, cfg)
+    rollout = cwgrpo.sample(model, tokenizer, prompts.next_batch(4), cfg)
+    cwgrpo.score_rollout(rollout, Grader(), cfg)
+    rollout.ref_logp = cwgrpo.rollout_pass(reference, rollout, cfg)["logp"]
+    return model, rollout, cfg
+
+
+def test_quartile_gradients_sum_to_the_full_gradient(scored_rollout):
+    model, rollout, cfg = scored_rollout
+    valid = rollout.completion_mask.bool()
+    prob = cwgrpo.rollout_pass(model, rollout, cfg)["logp"].exp()[valid]
+    quartiles = [cwgrpo.scatter_valid(q, valid) for q in cwgrpo.quantile_masks(prob, 4)]
+    assert torch.equal(sum(quartiles), rollout.completion_mask)
+
+    def gradient(active):
+        model.zero_grad(set_to_none=True)
+        cwgrpo.accumulate_gradients(model, cwgrpo.dataclasses.replace(rollout, active=active), cfg, contextlib.nullcontext)
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+    full = gradient(rollout.completion_mask)
+    parts = [gradient(q) for q in quartiles]
+    model.zero_grad(set_to_none=True)
+    assert full.norm() > 0 and all(p.norm() > 0 for p in parts)
+    torch.testing.assert_close(sum(parts), full, rtol=1e-4, atol=1e-6)
+
+
+def test_diagnose_rollout_report(scored_rollout):
+    model, rollout, cfg = scored_rollout
+    rng = torch.get_rng_state()
+    report = cwgrpo.diagnose_rollout(model, rollout, cfg, contextlib.nullcontext)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in model.parameters())
+    assert set(report["full_gradient_norm"]) == {"beta=0", "beta=0.04"}
+    assert sum(q["tokens"] for q in report["quartiles"]) == report["tokens"] == int(rollout.completion_mask.sum())
+    # with beta = 0 the token weight is the advantage alone: the KL part is zero
+    valid = rollout.completion_mask.bool()
+    prob = cwgrpo.rollout_pass(model, rollout, cfg)["logp"].exp()[valid]
+    adv = rollout.advantages[:, None].expand_as(rollout.completion_mask)[valid]
+    for q, mask in zip(report["quartiles"], cwgrpo.quantile_masks(prob, 4)):
+        assert q["beta=0"]["abs_weight_mean"] == pytest.approx(adv[mask].abs().mean().item(), rel=1e-5)
+    assert any(q["beta=0.04"]["abs_weight_mean"] != q["beta=0"]["abs_weight_mean"] for q in report["quartiles"])
+    assert len(report["cw_weight_by_covariance_decile"]) == 10
+
+
+def test_diagnose_command_and_training_diagnostics(tiny_run, tmp_path):
+    out = tmp_path / "diag"
+    cwgrpo.main(["diagnose", "--preset", "tiny", "--model", str(tiny_run / "final-model"), "--reference-model",
+                 str(tiny_run / "base-model"), "--diagnostics-dir", str(out), "--prompts-per-step", "2"])
+    assert "## Covariance concentration" in (out / "diagnostics.md").read_text()
+    assert json.loads((out / "diagnostics.json").read_text())["tokens"] > 0
+    with pytest.raises(SystemExit, match="diagnose needs a trained model"):
+        cwgrpo.main(["diagnose", "--preset", "tiny"])
+    # --diagnose-every appends figures without changing the training itself
+    run = tmp_path / "run"
+    cwgrpo.train(cwgrpo.parse_config([*TINY_RUN, "--output-dir", str(run), "--diagnose-every", "2"]))
+    assert [json.loads(line)["rollout_step"] for line in (run / "diagnostics.jsonl").read_text().splitlines()] == [2, 4]
+    assert read_metrics(run / "metrics.jsonl") == read_metrics(tiny_run / "metrics.jsonl")
