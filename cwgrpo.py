@@ -33,7 +33,6 @@ import datasets
 import torch
 import torch.nn.functional as F
 import transformers
-from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, HfArgumentParser,
                           Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer)
@@ -135,8 +134,10 @@ class Config:
     seed: int = field(default=2025, metadata={"help": "seed of data order, sampling and initialisation"})
     gradient_checkpointing: bool = field(default=True, metadata={
         "help": "recompute activations in backward to save memory"})
-    logit_chunk_tokens: int = field(default=1024, metadata={
-        "help": "positions per chunk of the LM head + log-softmax, so memory does not scale with vocab x length"})
+    logit_chunk_elements: int = field(default=2**26, metadata={
+        "help": "positions x vocab logits computed at once by the chunked LM head (and ict's divergence), so "
+                "memory does not grow with vocab x length; 2**26 is 256 MiB of float32, 441 positions at "
+                "Qwen's vocab"})
     device: str = field(default="auto", metadata={"help": "auto (cuda if present), cuda or cpu"})
     output_dir: str = field(default="", metadata={
         "help": "where metrics, checkpoints and the final model go (default runs/<method>-<preset>-seed<seed>)"})
@@ -456,30 +457,53 @@ def completion_mask_after_eos(completion_ids: torch.Tensor, eos: list[int]) -> t
 # 5. Log-probs and entropy, chunked over positions
 # ----------------------------------------------------------------------------------------------------
 
-def head_chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                        temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """log p(target) and entropy for a chunk of positions (SPEC notation: temperature-scaled logits)."""
-    logits = F.linear(hidden, weight).float() / temperature
-    logp_all = logits.log_softmax(-1)
-    with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp_all.gather(-1, targets[:, None]).squeeze(-1), entropy
+class ChunkedLogProbs(torch.autograd.Function):
+    """log p(target) and the entropy at each position, from hidden states and the LM head, chunk by chunk
+    of positions (SPEC notation: temperature-scaled logits). Backward recomputes each chunk's softmax and
+    turns it into the logits' gradient in place, so at most about two (chunk, vocab) float32 blocks are
+    alive at any time, whatever the vocabulary and length, and no logits are kept between the passes."""
+
+    @staticmethod
+    def chunk_logits(hidden, weight, temperature):
+        return F.linear(hidden, weight).float().div_(temperature)
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, hidden, weight, targets, temperature, width):
+        logp = torch.empty(hidden.shape[0], device=hidden.device)
+        entropy = torch.empty_like(logp)
+        for start in range(0, hidden.shape[0], width):
+            rows = slice(start, start + width)
+            logp_all = ChunkedLogProbs.chunk_logits(hidden[rows], weight, temperature).log_softmax(-1)
+            logp[rows] = logp_all.gather(-1, targets[rows, None]).squeeze(-1)
+            entropy[rows] = -logp_all.exp().mul_(logp_all).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.temperature, ctx.width = temperature, width
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, targets = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, device=weight.device) if ctx.needs_input_grad[1] else None
+        for start in range(0, hidden.shape[0], ctx.width):
+            rows = slice(start, start + ctx.width)
+            grad_logits = ChunkedLogProbs.chunk_logits(hidden[rows], weight, ctx.temperature).softmax(-1)
+            g = grad_logp[rows, None]
+            grad_logits.mul_(-g).scatter_add_(1, targets[rows, None], g).div_(ctx.temperature)  # (onehot - p) g / T
+            if grad_hidden is not None:
+                grad_hidden[rows] = grad_logits.to(hidden.dtype) @ weight.to(hidden.dtype)
+            if grad_weight is not None:
+                grad_weight += (grad_logits.T.to(hidden.dtype) @ hidden[rows]).float()
+        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                     chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Never holds more than chunk_tokens x vocab logits: with gradient each chunk is recomputed in
-    backward (activation checkpointing), so only the hidden states are kept between passes."""
-    logps, entropies = [], []
-    for start in range(0, hidden.shape[0], chunk_tokens):
-        args = (hidden[start:start + chunk_tokens], weight, targets[start:start + chunk_tokens], temperature)
-        if torch.is_grad_enabled():
-            logp, entropy = checkpoint(head_chunk_logprobs, *args, use_reentrant=False)
-        else:
-            logp, entropy = head_chunk_logprobs(*args)
-        logps.append(logp)
-        entropies.append(entropy)
-    return torch.cat(logps), torch.cat(entropies)
+                     chunk_elements: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions,) log-probs of `targets` and entropies, never more than chunk_elements logits at once."""
+    return ChunkedLogProbs.apply(hidden, weight, targets, temperature, max(1, chunk_elements // weight.shape[0]))
 
 
 def completion_logprobs(model, rollout: Rollout, cfg: Config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -495,7 +519,7 @@ def completion_logprobs(model, rollout: Rollout, cfg: Config) -> tuple[torch.Ten
     valid = rollout.completion_mask.bool()
     logp_valid, entropy_valid = chunked_logprobs(hidden[valid], model.get_output_embeddings().weight,
                                                  rollout.completion_ids[valid], cfg.temperature,
-                                                 cfg.logit_chunk_tokens)
+                                                 cfg.logit_chunk_elements)
     logp = torch.zeros(valid.shape, device=hidden.device, dtype=logp_valid.dtype)
     entropy = torch.zeros_like(logp)
     logp[valid] = logp_valid
@@ -641,12 +665,12 @@ def renormalised(keep: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def ict_divergence(hidden: torch.Tensor, head_weight: torch.Tensor, mask: torch.Tensor, temperature: float,
-                   chunk_tokens: int) -> torch.Tensor:
+                   chunk_elements: int) -> torch.Tensor:
     """SPEC ict: u[i,t] = JS(p[i,t] || pbar[t]) in nats, pbar the mean next-token distribution of the group's
     responses still running at t. Streams over positions, never holding more than G x chunk x vocab."""
     group_size, length = mask.shape
     divergence = torch.zeros(mask.shape, device=hidden.device)
-    width = max(1, chunk_tokens // group_size)
+    width = max(1, chunk_elements // (group_size * head_weight.shape[0]))
     for start in range(0, length, width):
         stop = start + width
         p = (F.linear(hidden[:, start:stop], head_weight).float() / temperature).softmax(-1)
@@ -958,11 +982,11 @@ def rollout_pass(model, rollout: Rollout, cfg: Config, divergence: bool = False,
             for g in range(0, len(part.texts), cfg.group_size):
                 group = slice(g, g + cfg.group_size)
                 out["divergence"][block][group] = ict_divergence(
-                    hidden[group], head, part.completion_mask[group], cfg.temperature, cfg.logit_chunk_tokens)
+                    hidden[group], head, part.completion_mask[group], cfg.temperature, cfg.logit_chunk_elements)
         if squared_mass:
             valid = part.completion_mask.bool()
             out["squared_mass"][block][valid] = squared_probability_mass(hidden[valid], head, cfg.temperature,
-                                                                         cfg.logit_chunk_tokens)
+                                                                         cfg.logit_chunk_elements)
     return out
 
 
@@ -1264,10 +1288,11 @@ def quantile_masks(values: torch.Tensor, parts: int) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def squared_probability_mass(hidden: torch.Tensor, weight: torch.Tensor, temperature: float,
-                             chunk_tokens: int) -> torch.Tensor:
+                             chunk_elements: int) -> torch.Tensor:
     """sum_v p_v^2 per position, streamed like the log-probs, for ||onehot - p||^2 = 1 - 2 p_y + sum_v p_v^2."""
-    return torch.cat([(F.linear(hidden[s:s + chunk_tokens], weight).float() / temperature).softmax(-1).pow(2).sum(-1)
-                      for s in range(0, hidden.shape[0], chunk_tokens)])
+    width = max(1, chunk_elements // weight.shape[0])
+    return torch.cat([(F.linear(hidden[s:s + width], weight).float() / temperature).softmax(-1).pow(2).sum(-1)
+                      for s in range(0, hidden.shape[0], width)])
 
 
 def quartile_gradients(model, rollout: Rollout, cfg: Config, autocast, quartiles: list[torch.Tensor]) -> dict:

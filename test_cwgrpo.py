@@ -167,7 +167,7 @@ def test_chunked_logprobs_equal_direct(chunk):
     hidden = torch.randn(11, 8, generator=g, requires_grad=True)
     weight = torch.randn(50, 8, generator=g, requires_grad=True)
     targets = torch.randint(0, 50, (11,), generator=g)
-    logp, entropy = cwgrpo.chunked_logprobs(hidden, weight, targets, 0.7, chunk)
+    logp, entropy = cwgrpo.chunked_logprobs(hidden, weight, targets, 0.7, chunk * 50)  # chunk positions at once
     (logp * torch.arange(11.0)).sum().backward()
     grads = hidden.grad.clone(), weight.grad.clone()
     hidden.grad = weight.grad = None
@@ -440,7 +440,7 @@ def test_ict_streamed_divergence_equals_direct():
     g = torch.Generator().manual_seed(0)
     hidden, weight = torch.randn(4, 7, 5, generator=g), torch.randn(11, 5, generator=g)
     mask = (torch.arange(7)[None] < torch.tensor([7, 5, 2, 6])[:, None]).float()
-    streamed = cwgrpo.ict_divergence(hidden, weight, mask, 0.7, chunk_tokens=8)  # 2 positions per chunk
+    streamed = cwgrpo.ict_divergence(hidden, weight, mask, 0.7, chunk_elements=4 * 11 * 2)  # 2 positions per chunk
     p = (hidden @ weight.T / 0.7).softmax(-1)
     for t in range(7):
         running = mask[:, t].bool()
