@@ -91,6 +91,8 @@ class Config:
         "help": "weight of the format reward ('\\n</think>\\n' exactly once)"})
     reward_timeout_s: float = field(default=10.0, metadata={
         "help": "hard wall-clock limit on grading one completion; a hang scores 0"})
+    reward_workers: int = field(default=0, metadata={
+        "help": "processes grading completions in parallel; 0 is one per CPU core, at most 8"})
     beta: float = field(default=0.04, metadata={
         "help": "k3 KL coefficient; 0 skips loading the reference model"})
     eps_low: float = field(default=0.2, metadata={"help": "PPO clip range below 1"})
@@ -316,47 +318,69 @@ def grading_worker(conn) -> None:
             conn.send(Grade(0.0, True, False))
 
 
-class Grader:
-    """Grades in a child process that is killed when it overruns the time limit.
+class GradingWorker:
+    """A child process that grades, killed and replaced when one grading overruns the time limit.
 
     math-verify's own timeout uses SIGALRM, which works only on a main thread and cannot interrupt a long
-    C-level computation (sympy evaluating 9^9^9^9); killing a process always works. Results are cached,
-    which never changes a score: grading is a pure function of (completion, gold).
+    C-level computation (sympy evaluating 9^9^9^9); killing a process always works.
     """
 
-    def __init__(self, timeout_s: float = 10.0, max_cache: int = 200_000):
-        self.timeout_s, self.max_cache, self.cache = timeout_s, max_cache, {}
+    def __init__(self, timeout_s: float):
+        self.timeout_s, self.process = timeout_s, None
         self.context = multiprocessing.get_context(
             "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-        self.process = None
 
-    def start_worker(self) -> None:
-        self.conn, child_conn = self.context.Pipe()
-        self.process = self.context.Process(target=grading_worker, args=(child_conn,), daemon=True)
-        self.process.start()
-        child_conn.close()
+    def grade(self, key: tuple[str, str, str]) -> Grade:
+        if self.process is None:
+            self.conn, child_conn = self.context.Pipe()
+            self.process = self.context.Process(target=grading_worker, args=(child_conn,), daemon=True)
+            self.process.start()
+            child_conn.close()
+        self.conn.send(key)
+        try:
+            result = self.conn.recv() if self.conn.poll(self.timeout_s) else None
+        except EOFError:  # the worker died (a crash inside sympy, say): a wrong answer
+            result = Grade(0.0, True, False)
+        if result is None or not self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+            self.process = None
+        return result or Grade(0.0, True, True)
 
-    def kill_worker(self) -> None:
-        self.process.kill()
-        self.process.join()
-        self.process = None
+
+class Grader:
+    """Grades (completion, gold) pairs on a few worker processes at once, with a hard time limit on each.
+
+    Results are cached, which never changes a score: grading is a pure function of its inputs.
+    """
+
+    def __init__(self, timeout_s: float = 10.0, workers: int = 1, max_cache: int = 200_000):
+        self.timeout_s, self.max_cache, self.cache = timeout_s, max_cache, {}
+        self.workers = [GradingWorker(timeout_s) for _ in range(max(1, workers))]
+        self.threads = ThreadPoolExecutor(len(self.workers)) if len(self.workers) > 1 else None
 
     def grade(self, completion: str, gold: str, gold_format: str = "default") -> Grade:
-        key = (completion, gold, gold_format)
-        if key not in self.cache:
-            if self.process is None:
-                self.start_worker()
-            self.conn.send(key)
-            try:
-                result = self.conn.recv() if self.conn.poll(self.timeout_s) else None
-            except EOFError:  # the worker died (a crash inside sympy, say): a wrong answer
-                result = Grade(0.0, True, False)
-            if result is None or not self.process.is_alive():
-                self.kill_worker()
-            if len(self.cache) >= self.max_cache:
-                self.cache.clear()
-            self.cache[key] = result or Grade(0.0, True, True)
-        return self.cache[key]
+        return self.grade_many([(completion, gold, gold_format)])[0]
+
+    def grade_many(self, items: list[tuple[str, str, str]]) -> list[Grade]:
+        """Grades of (completion, gold, gold_format) triples; the uncached ones are shared among the workers."""
+        todo = list(dict.fromkeys(key for key in items if key not in self.cache))
+        if len(self.cache) + len(todo) > self.max_cache:
+            self.cache.clear()
+            todo = list(dict.fromkeys(items))
+        shares = [todo[i::len(self.workers)] for i in range(len(self.workers))]
+
+        def grade_share(worker, share):
+            return [worker.grade(key) for key in share]
+        graded = self.threads.map(grade_share, self.workers, shares) if self.threads else [grade_share(
+            self.workers[0], shares[0])]
+        for share, grades in zip(shares, graded):
+            self.cache.update(zip(share, grades))
+        return [self.cache[key] for key in items]
+
+
+def reward_worker_count(requested: int) -> int:
+    return requested or min(8, os.cpu_count() or 1)
 
 
 _default_grader = None
@@ -441,6 +465,8 @@ def sample(model, tokenizer, batch: list[tuple[list[int], str]], cfg: Config) ->
     texts = tokenizer.batch_decode([ids[: int(n)] for ids, n in zip(completion_ids, completion_mask.sum(1))],
                                    skip_special_tokens=True)
     golds = [gold for _, gold in batch for _ in range(cfg.group_size)]
+    if cfg.mask_truncated_completions:  # out of the loss, not out of the reward
+        completion_mask = completion_mask * (~truncated)[:, None]
     return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts, golds)
 
 
@@ -549,7 +575,7 @@ class Group(NamedTuple):
     advantages: torch.Tensor  # (G,)
     mask: torch.Tensor        # (G, T) 0/1
     entropy: torch.Tensor     # (G, T) rollout policy's entropy, no gradient
-    batch_entropy: torch.Tensor | None  # entropies of all valid tokens of the rollout batch (entropy20, stapo)
+    batch_entropy: torch.Tensor | None  # entropies of all valid tokens of the rollout batch, sorted (entropy20, stapo)
     divergence: torch.Tensor | None     # (G, T) ict's JS score, for methods that ask for it
     update_pass: int          # 0; lopti's second (high-probability) pass is 1
 
@@ -692,15 +718,23 @@ def ict(group: Group, cfg) -> TokenTerms:
     return TokenTerms(renormalised(keep, group.mask))
 
 
+def sorted_quantile(sorted_values: torch.Tensor, q: float) -> torch.Tensor:
+    """torch.quantile's linear interpolation, on values sorted once per batch rather than once per group."""
+    position = q * (len(sorted_values) - 1)
+    low = int(position)
+    high = min(low + 1, len(sorted_values) - 1)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
+
+
 def entropy20(group: Group, cfg) -> TokenTerms:
     """SPEC entropy20 (Wang et al. 2025): PG only on tokens at or above the batch's 80th entropy percentile."""
-    threshold = torch.quantile(group.batch_entropy, 1 - cfg.entropy_top_frac)
+    threshold = sorted_quantile(group.batch_entropy, 1 - cfg.entropy_top_frac)
     return TokenTerms(group.mask * (group.entropy >= threshold))
 
 
 def stapo(group: Group, cfg) -> TokenTerms:
     """SPEC stapo: silence positive-advantage tokens that are rare (p < 0.01) and low-entropy (< 5th pct)."""
-    threshold = torch.quantile(group.batch_entropy, cfg.stapo_entropy_percentile / 100)
+    threshold = sorted_quantile(group.batch_entropy, cfg.stapo_entropy_percentile / 100)
     spurious = (group.advantages[:, None] > 0) & (group.old_logp.exp() < cfg.stapo_max_prob) & \
         (group.entropy < threshold)
     return TokenTerms(renormalised(group.mask * ~spurious, group.mask))
@@ -947,13 +981,11 @@ def prepare_output_dir(cfg: Config) -> Path:
 
 @torch.no_grad()
 def score_rollout(rollout: Rollout, grader: Grader, cfg: Config) -> dict:
-    grades = [grader.grade(text, gold) for text, gold in zip(rollout.texts, rollout.golds)]
+    grades = grader.grade_many([(text, gold, "default") for text, gold in zip(rollout.texts, rollout.golds)])
     accuracy = torch.tensor([g.accuracy for g in grades])
     formats = torch.tensor([format_reward(text) for text in rollout.texts])
     rollout.rewards = cfg.accuracy_weight * accuracy + cfg.format_weight * formats
     rollout.advantages = group_advantages(rollout.rewards, cfg.group_size).to(rollout.completion_ids.device)
-    if cfg.mask_truncated_completions:
-        rollout.completion_mask = rollout.completion_mask * (~rollout.truncated)[:, None]
     group_std = rollout.rewards.view(-1, cfg.group_size).std(1)
     return {"reward_mean": rollout.rewards.mean().item(), "reward_std": rollout.rewards.std().item(),
             "accuracy_mean": accuracy.mean().item(), "format_mean": formats.mean().item(),
@@ -1044,7 +1076,8 @@ def train(cfg: Config) -> Path:
     prompts = PromptStream(load_training_rows(cfg), tokenizer, cfg)
     if prompts.skipped:
         print(f"skipped {prompts.skipped} prompts longer than --max-prompt-length {cfg.max_prompt_length}")
-    grader = Grader(cfg.reward_timeout_s)
+    grader = Grader(cfg.reward_timeout_s, reward_worker_count(cfg.reward_workers))
+    background = ThreadPoolExecutor(1)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     method = METHODS[cfg.method]
@@ -1077,14 +1110,16 @@ def train(cfg: Config) -> Path:
         t0 = time.perf_counter()
         with autocast():
             rollout = sample(model, tokenizer, prompts.next_batch(cfg.prompts_per_step), cfg)
-            rollout_metrics = score_rollout(rollout, grader, cfg)
+            # grading runs on the worker processes while the passes below use the model
+            grading = background.submit(score_rollout, rollout, grader, cfg)
             if cfg.num_iterations > 1 or method.needs_rollout_pass:
                 stats = rollout_pass(model, rollout, cfg, divergence=method.needs_divergence)
                 rollout.old_logp, rollout.entropy, rollout.divergence = \
                     stats["logp"], stats["entropy"], stats.get("divergence")
-                rollout.batch_entropy = rollout.entropy[rollout.completion_mask.bool()]
+                rollout.batch_entropy = rollout.entropy[rollout.completion_mask.bool()].sort().values
             if reference is not None:
                 rollout.ref_logp = rollout_pass(reference, rollout, cfg)["logp"]
+            rollout_metrics = grading.result()
         rollout_s = time.perf_counter() - t0
         if cfg.diagnose_every and (step + 1) % cfg.diagnose_every == 0:
             with (output_dir / "diagnostics.jsonl").open("a") as f:
@@ -1099,6 +1134,7 @@ def train(cfg: Config) -> Path:
                       "update_s": time.perf_counter() - t1}
             tokens = rollout.completion_mask.sum().item()
             record["tokens_per_s"] = tokens / (record["rollout_s"] + record["update_s"])
+            record["time"] = time.time()
             with metrics_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
         progress.set_postfix(reward=f"{record['reward_mean']:.3f}", entropy=f"{record['entropy_mean']:.3f}")
@@ -1407,7 +1443,7 @@ def diagnose(argv: list) -> Path:
     prompts = PromptStream(load_training_rows(cfg), tokenizer, cfg)
     with autocast():
         rollout = sample(model, tokenizer, prompts.next_batch(cfg.prompts_per_step), cfg)
-        score_rollout(rollout, Grader(cfg.reward_timeout_s), cfg)
+        score_rollout(rollout, Grader(cfg.reward_timeout_s, reward_worker_count(cfg.reward_workers)), cfg)
         if reference is not None:
             rollout.ref_logp = rollout_pass(reference, rollout, cfg)["logp"]
     report = diagnose_rollout(model, rollout, cfg, autocast)

@@ -87,6 +87,8 @@ class EvalConfig:
     limit: int = field(default=0, metadata={"help": "evaluate only the first N problems of each benchmark"})
     seed: int = field(default=2025, metadata={"help": "sampling seed"})
     reward_timeout_s: float = field(default=10.0, metadata={"help": "hard limit on grading one completion"})
+    reward_workers: int = field(default=0, metadata={
+        "help": "processes grading in parallel; 0 is one per CPU core, at most 8"})
     device: str = field(default="auto", metadata={"help": "auto (cuda if present), cuda or cpu"})
     output_dir: str = field(default="", metadata={
         "help": "results.json, results.md and per-benchmark progress (default eval/<model folder name>)"})
@@ -122,7 +124,7 @@ def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path) -> dict:
     benchmarks = [load_benchmark(name.strip(), cfg) for name in cfg.benchmarks.split(",") if name.strip()]
     tokenizer = cwgrpo.load_tokenizer(model_path)
     model = cwgrpo.load_model(model_path, torch.bfloat16 if device.type == "cuda" else torch.float32, device).eval()
-    grader = cwgrpo.Grader(cfg.reward_timeout_s)
+    grader = cwgrpo.Grader(cfg.reward_timeout_s, cwgrpo.reward_worker_count(cfg.reward_workers))
     generation = GenerationConfig(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=0,
                                   max_new_tokens=cfg.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                                   eos_token_id=cwgrpo.eos_token_ids(model, tokenizer))
@@ -140,10 +142,12 @@ def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path) -> dict:
                 batch = todo[start:start + cfg.batch_size]  # similar lengths: little padding
                 torch.manual_seed(cfg.seed + batch[0])  # a problem's samples do not depend on what ran before
                 texts = generate(model, tokenizer, [prompts[i] for i in batch], n, generation)
+                all_grades = grader.grade_many([(text, problems[batch[k // n]][1], bench.gold_format)
+                                                for k, text in enumerate(texts)])  # n samples per problem
                 for j, i in enumerate(batch):
                     question, gold = problems[i]
                     completions = texts[j * n:(j + 1) * n]
-                    grades = [grader.grade(c, gold, bench.gold_format) for c in completions]
+                    grades = all_grades[j * n:(j + 1) * n]
                     done[i] = {"index": i, "prompt": question, "gold": gold, "completions": completions,
                                "answers": [last_boxed(c) for c in completions],
                                "correct": [g.accuracy == 1.0 for g in grades],

@@ -296,7 +296,7 @@ def test_model_not_found_offline_fails_clearly(tmp_path):
 # ------------------------------------------------------------------------------------ end to end
 
 TINY_RUN = ["--preset", "tiny", "--steps", "4", "--save-every", "2", "--warmstart-steps", "150"]
-TIMING_KEYS = {"rollout_s", "update_s", "tokens_per_s"}
+TIMING_KEYS = {"rollout_s", "update_s", "tokens_per_s", "time"}
 
 
 def read_metrics(path):
@@ -460,6 +460,12 @@ def test_ict_keeps_each_responses_top_tenth():
     for i, k in enumerate([3, 1, 1]):
         assert set(kept[i].nonzero().flatten().tolist()) == set(divergence[i].topk(k).indices.tolist())
     torch.testing.assert_close(terms.pg_weight.sum(1), mask.sum(1))  # mean over kept tokens only
+
+
+def test_sorted_quantile_matches_torch_quantile():
+    values = torch.rand(1001, generator=torch.Generator().manual_seed(0)).sort().values
+    for q in (0.0, 0.05, 0.2, 0.5, 0.8, 0.999, 1.0):
+        torch.testing.assert_close(cwgrpo.sorted_quantile(values, q), torch.quantile(values, q))
 
 
 def test_entropy20_keeps_the_top_fifth_by_entropy():
