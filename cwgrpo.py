@@ -33,6 +33,8 @@ import datasets
 import torch
 import torch.nn.functional as F
 import transformers
+from latex2sympy2_extended import NormalizationConfig
+from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 from tqdm import tqdm
 from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, HfArgumentParser,
                           Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer)
@@ -289,9 +291,6 @@ def grade_accuracy(completion: str, gold: str, gold_format: str = "default") -> 
     gold_format: "default" is math-verify's default extraction (LaTeX, then plain expressions), the
     training reward's; the benchmarks of evaluate.py parse their gold as "expr" or "latex".
     """
-    from latex2sympy2_extended import NormalizationConfig
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-
     gold_targets = {"default": [LatexExtractionConfig(), ExprExtractionConfig()], "expr": [ExprExtractionConfig()],
                     "latex": [LatexExtractionConfig()]}[gold_format]
     gold_parsed = parse(gold, extraction_config=gold_targets)
@@ -1222,12 +1221,13 @@ def ablate(argv: list) -> Path:
         method, seed, run_dir = job
         if (run_dir / "wall_time.json").is_file():
             return  # finished by an earlier invocation
+        cores_per_run = str(max(1, (os.cpu_count() or 1) // workers))
         command = [sys.executable, os.path.abspath(__file__), "--preset", acfg.preset, "--method", method,
-                   "--seed", str(seed), "--output-dir", str(run_dir), *run_args]
+                   "--seed", str(seed), "--output-dir", str(run_dir), "--reward-workers", cores_per_run, *run_args]
         if (run_dir / "metrics.jsonl").exists():
             command.append("--resume")
         run_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // workers))}
+        env = {**os.environ, "OMP_NUM_THREADS": cores_per_run}
         start = time.perf_counter()
         with (run_dir / "log.txt").open("w") as log:
             done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env)

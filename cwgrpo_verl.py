@@ -1,0 +1,132 @@
+"""cwgrpo.py's token-weighting methods as verl policy losses, for training beyond one GPU with verl.
+
+verl loads this module when it starts with
+
+    VERL_USE_EXTERNAL_MODULES=cwgrpo_verl python -m verl.trainer.main_ppo ... actor_rollout_ref.actor.policy_loss.loss_mode=cw
+
+(cwgrpo.py and this file on PYTHONPATH). Each loss calls the same tensor functions as cwgrpo.py: the method's
+token terms, then cwgrpo's PPO-clip term; verl adds its own KL loss (use_kl_loss) and aggregates with
+its agg_loss. Registered names:
+
+- cw: CW-GRPO (cwgrpo's cw_weights; released code's padded normalisation, weights not detached).
+- cw_valid, cw_detach, cw_valid_detach: the other readings of SPEC cw steps 6 and 7.
+- ar: advantage reweighting (Yang et al. 2025), alpha 0.2.
+- cwgrpo_clip_cov, cwgrpo_kl_cov: cwgrpo's clip_cov and kl_cov, beside verl's own clip_cov and kl_cov.
+
+Methods that need what a verl policy loss is not given are not registered: lopti (two update passes),
+ict (full next-token distributions), entropy20 and stapo (the whole batch's entropies).
+
+Statistics scope: verl passes the loss one micro-batch, and cw, clip_cov and kl_cov compute their
+statistics over the rows they are given. With ppo_micro_batch_size_per_gpu equal to rollout.n (and
+use_dynamic_bsz off) a micro-batch is exactly one prompt's group, as in the paper's runs; otherwise the
+statistics mix groups (or split one), which the released CW-GRPO code also does.
+"""
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import torch
+from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
+
+import cwgrpo
+
+VERL_METHODS = {  # verl name -> (cwgrpo method, Config overrides)
+    "cw": ("cw", {}),
+    "cw_valid": ("cw", {"cw_norm": "valid"}),
+    "cw_detach": ("cw", {"cw_detach": True}),
+    "cw_valid_detach": ("cw", {"cw_norm": "valid", "cw_detach": True}),
+    "ar": ("ar", {}),
+    "cwgrpo_clip_cov": ("clip_cov", {}),
+    "cwgrpo_kl_cov": ("kl_cov", {}),
+}
+
+
+def cwgrpo_config(verl_config, overrides: dict) -> cwgrpo.Config:
+    """cwgrpo's Config with verl's clip range and, for clip_cov/kl_cov, verl's policy_loss settings."""
+    low = verl_config.clip_ratio_low if verl_config.clip_ratio_low is not None else verl_config.clip_ratio
+    high = verl_config.clip_ratio_high if verl_config.clip_ratio_high is not None else verl_config.clip_ratio
+    policy_loss = verl_config.policy_loss
+    from_verl = {name: getattr(policy_loss, verl_name) for name, verl_name in (
+        ("clip_cov_ratio", "clip_cov_ratio"), ("clip_cov_lb", "clip_cov_lb"), ("clip_cov_ub", "clip_cov_ub"),
+        ("kl_cov_ratio", "kl_cov_ratio"), ("kl_cov_coef", "ppo_kl_coef")) if getattr(policy_loss, verl_name, None) is not None}
+    return dataclasses.replace(cwgrpo.Config(), eps_low=low, eps_high=high, beta=0.0, **from_verl, **overrides)
+
+
+def make_policy_loss(method_name: str, overrides: dict):
+    method = cwgrpo.METHODS[method_name]
+
+    def policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                    response_mask: torch.Tensor, loss_agg_mode: str = "token-mean", config=None,
+                    rollout_is_weights: torch.Tensor | None = None):
+        cfg = cwgrpo_config(config, overrides)
+        mask = response_mask.to(log_prob.dtype)
+        # verl's advantages are per token; GRPO's are constant along a response
+        per_response = (advantages * mask).sum(1) / mask.sum(1).clamp(min=1)
+        group = cwgrpo.Group(log_prob, old_log_prob, per_response, mask, torch.zeros_like(log_prob), None, None, 0)
+        terms = method.terms(group, cfg)
+        losses = cwgrpo.token_losses(log_prob, old_log_prob, None, per_response, terms, cfg)
+        loss = losses["loss"] if rollout_is_weights is None else losses["loss"] * rollout_is_weights
+        pg_loss = agg_loss(loss_mat=loss, loss_mask=response_mask, loss_agg_mode=loss_agg_mode,
+                           **getattr(config, "global_batch_info", {}))
+        valid = response_mask.bool()
+        weights = terms.pg_weight.detach()[valid]
+        return pg_loss, {"actor/pg_clipfrac": losses["clipped"][valid].float().mean().item(),
+                         "actor/ppo_kl": (old_log_prob - log_prob).detach()[valid].mean().item(),
+                         "actor/cwgrpo_w_mean": weights.mean().item(), "actor/cwgrpo_w_min": weights.min().item(),
+                         "actor/cwgrpo_w_max": weights.max().item(),
+                         "actor/cwgrpo_touched_frac": losses["touched"][valid].float().mean().item()}
+
+    policy_loss.__name__ = f"cwgrpo_{method_name}_policy_loss"
+    return policy_loss
+
+
+for _verl_name, (_method, _overrides) in VERL_METHODS.items():
+    register_policy_loss(_verl_name)(make_policy_loss(_method, _overrides))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The reward and the data, in verl's formats
+# ----------------------------------------------------------------------------------------------------
+
+_grader = None
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    """verl's custom_reward_function: cwgrpo's accuracy (math-verify, gold first) + format reward, 1:1 as in
+    the 1.5B recipe (set format_weight to 0 in extra_info for the 7B recipe's accuracy-only reward)."""
+    global _grader
+    if _grader is None:
+        _grader = cwgrpo.Grader()
+    format_weight = (extra_info or {}).get("format_weight", 1.0)
+    return _grader.grade(solution_str, ground_truth).accuracy + format_weight * cwgrpo.format_reward(solution_str)
+
+
+def convert(dataset: str, output_dir: str, question_column: str = "problem", gold_column: str = "solution",
+            system_prompt: str = cwgrpo.OPEN_RS_SYSTEM_PROMPT, format_weight: float = 1.0) -> Path:
+    """Open-RS (or any problem/solution data) as verl's RL parquet: chat prompt, rule reward, gold."""
+    rows = cwgrpo.load_rows(dataset, "train", question_column, gold_column)
+
+    def to_verl(row, index):
+        prompt = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+            {"role": "user", "content": str(row[question_column])}]
+        return {"data_source": dataset, "prompt": prompt, "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": str(row[gold_column])},
+                "extra_info": {"index": index, "format_weight": format_weight}}
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows.map(to_verl, with_indices=True, remove_columns=rows.column_names).to_parquet(str(out / "train.parquet"))
+    return out / "train.parquet"
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Write verl's train.parquet from Open-RS-style data.")
+    parser.add_argument("--dataset", default="knoveleng/open-rs", help="hub id or local .json/.jsonl/.parquet/.csv")
+    parser.add_argument("--output-dir", default="data/open-rs-verl")
+    parser.add_argument("--question-column", default="problem")
+    parser.add_argument("--gold-column", default="solution")
+    parser.add_argument("--format-weight", type=float, default=1.0, help="0 for the 7B recipe (accuracy only)")
+    args = parser.parse_args()
+    print(convert(args.dataset, args.output_dir, args.question_column, args.gold_column,
+                  format_weight=args.format_weight))
