@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--vocab", type=int, default=151_936)
     parser.add_argument("--hidden", type=int, default=1_536)
-    parser.add_argument("--ict-tokens", type=int, default=128, help="positions per response for ict's divergence")
+    parser.add_argument("--ict-tokens", type=int, default=64, help="positions per response for ict's divergence")
     args = parser.parse_args()
     cfg = cwgrpo.parse_config(["--preset", "tiny", "--group-size", str(args.group_size)])
     g = torch.Generator().manual_seed(0)
