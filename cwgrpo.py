@@ -1337,7 +1337,8 @@ def quartile_gradients(model, rollout: Rollout, cfg: Config, autocast, quartiles
     def gradient(active: torch.Tensor) -> torch.Tensor:
         model.zero_grad(set_to_none=True)
         accumulate_gradients(model, dataclasses.replace(rollout, active=active), cfg, autocast)
-        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        return torch.cat([torch.zeros(p.numel(), device=p.device) if p.grad is None else p.grad.flatten()
+                          for p in model.parameters()])
     full = gradient(rollout.completion_mask)
     per_quartile = [gradient(q.float()) for q in quartiles]
     model.zero_grad(set_to_none=True)
