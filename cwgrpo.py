@@ -195,6 +195,11 @@ def parse_config(argv=None, *extra_dataclasses):
     return parsed if extra_dataclasses else parsed[0]
 
 
+def bf16_autocast(device: torch.device):
+    """A factory of autocast contexts: bf16 on CUDA (the weights stay fp32 masters), nothing on CPU."""
+    return lambda: torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
 def resolve_device(cfg: Config) -> torch.device:
     if cfg.device == "auto":
         if cfg.preset in GPU_PRESETS and not torch.cuda.is_available():
@@ -446,27 +451,35 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 @torch.no_grad()
 def sample(model, tokenizer, batch: list[tuple[list[int], str]], cfg: Config) -> Rollout:
     """G completions per prompt with HF generate, left padding, plain temperature sampling."""
-    device = next(model.parameters()).device
-    width = max(len(ids) for ids, _ in batch)
-    pad = tokenizer.pad_token_id
-    prompt_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids, _ in batch], device=device)
-    prompt_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _ in batch], device=device)
-    prompt_ids = prompt_ids.repeat_interleave(cfg.group_size, 0)
-    prompt_mask = prompt_mask.repeat_interleave(cfg.group_size, 0)
-    eos = eos_token_ids(model, tokenizer)
     generation = GenerationConfig(
         do_sample=True, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-        max_new_tokens=cfg.max_completion_length, pad_token_id=pad, eos_token_id=eos)
+        max_new_tokens=cfg.max_completion_length, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=eos_token_ids(model, tokenizer))
     model.eval()
-    output = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation)
-    completion_ids = output[:, width:]
-    completion_mask, truncated = completion_mask_after_eos(completion_ids, eos)
-    texts = tokenizer.batch_decode([ids[: int(n)] for ids, n in zip(completion_ids, completion_mask.sum(1))],
-                                   skip_special_tokens=True)
+    prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts = generate_completions(
+        model, tokenizer, [ids for ids, _ in batch], cfg.group_size, generation)
     golds = [gold for _, gold in batch for _ in range(cfg.group_size)]
     if cfg.mask_truncated_completions:  # out of the loss, not out of the reward
         completion_mask = completion_mask * (~truncated)[:, None]
     return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts, golds)
+
+
+@torch.no_grad()
+def generate_completions(model, tokenizer, prompts: list[list[int]], n: int, generation: GenerationConfig):
+    """n completions of each prompt, prompts left-padded into one batch: the prompt ids and mask, the
+    completion ids, mask and truncation flags (section 4's masking after EOS), and the decoded texts."""
+    device = next(model.parameters()).device
+    width = max(map(len, prompts))
+    pad = tokenizer.pad_token_id
+    prompt_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device).repeat_interleave(n, 0)
+    prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
+                               device=device).repeat_interleave(n, 0)
+    output = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation)
+    completion_ids = output[:, width:]
+    completion_mask, truncated = completion_mask_after_eos(completion_ids, generation.eos_token_id)
+    texts = tokenizer.batch_decode([ids[: int(k)] for ids, k in zip(completion_ids, completion_mask.sum(1))],
+                                   skip_special_tokens=True)
+    return prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts
 
 
 def completion_mask_after_eos(completion_ids: torch.Tensor, eos: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -482,15 +495,16 @@ def completion_mask_after_eos(completion_ids: torch.Tensor, eos: list[int]) -> t
 # 5. Log-probs and entropy, chunked over positions
 # ----------------------------------------------------------------------------------------------------
 
+def scaled_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    """float32 logits divided by the sampling temperature (SPEC notation)."""
+    return F.linear(hidden, weight).float().div_(temperature)
+
+
 class ChunkedLogProbs(torch.autograd.Function):
     """log p(target) and the entropy at each position, from hidden states and the LM head, chunk by chunk
     of positions (SPEC notation: temperature-scaled logits). Backward recomputes each chunk's softmax and
     turns it into the logits' gradient in place, so at most about two (chunk, vocab) float32 blocks are
     alive at any time, whatever the vocabulary and length, and no logits are kept between the passes."""
-
-    @staticmethod
-    def chunk_logits(hidden, weight, temperature):
-        return F.linear(hidden, weight).float().div_(temperature)
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
@@ -499,7 +513,7 @@ class ChunkedLogProbs(torch.autograd.Function):
         entropy = torch.empty_like(logp)
         for start in range(0, hidden.shape[0], width):
             rows = slice(start, start + width)
-            logp_all = ChunkedLogProbs.chunk_logits(hidden[rows], weight, temperature).log_softmax(-1)
+            logp_all = scaled_logits(hidden[rows], weight, temperature).log_softmax(-1)
             logp[rows] = logp_all.gather(-1, targets[rows, None]).squeeze(-1)
             entropy[rows] = -logp_all.exp().mul_(logp_all).sum(-1)
         ctx.save_for_backward(hidden, weight, targets)
@@ -515,7 +529,7 @@ class ChunkedLogProbs(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, device=weight.device) if ctx.needs_input_grad[1] else None
         for start in range(0, hidden.shape[0], ctx.width):
             rows = slice(start, start + ctx.width)
-            grad_logits = ChunkedLogProbs.chunk_logits(hidden[rows], weight, ctx.temperature).softmax(-1)
+            grad_logits = scaled_logits(hidden[rows], weight, ctx.temperature).softmax(-1)
             g = grad_logp[rows, None]
             grad_logits.mul_(-g).scatter_add_(1, targets[rows, None], g).div_(ctx.temperature)  # (onehot - p) g / T
             if grad_hidden is not None:
@@ -698,7 +712,7 @@ def ict_divergence(hidden: torch.Tensor, head_weight: torch.Tensor, mask: torch.
     width = max(1, chunk_elements // (group_size * head_weight.shape[0]))
     for start in range(0, length, width):
         stop = start + width
-        p = (F.linear(hidden[:, start:stop], head_weight).float() / temperature).softmax(-1)
+        p = scaled_logits(hidden[:, start:stop], head_weight, temperature).softmax(-1)
         running = mask[:, start:stop, None]
         p_bar = (p * running).sum(0) / running.sum(0).clamp(min=1)
         middle = (p + p_bar) / 2
@@ -956,6 +970,12 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device):
     return model.to(device)
 
 
+def load_reference(path: str, device: torch.device):
+    """The frozen KL reference model, held in bf16 on CUDA."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return load_model(path, dtype, device).eval().requires_grad_(False)
+
+
 def load_tokenizer(path: str):
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
@@ -1067,9 +1087,7 @@ def train(cfg: Config) -> Path:
 
     tokenizer = load_tokenizer(str(resume_from or base_model))
     model = load_model(str(resume_from or base_model), torch.float32, device)  # fp32 master weights
-    on_cuda = device.type == "cuda"
-    half = torch.bfloat16 if on_cuda else torch.float32
-    reference = load_model(base_model, half, device).eval().requires_grad_(False) if cfg.beta > 0 else None
+    reference = load_reference(base_model, device) if cfg.beta > 0 else None
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     prompts = PromptStream(load_training_rows(cfg), tokenizer, cfg)
@@ -1101,9 +1119,7 @@ def train(cfg: Config) -> Path:
     keep_metrics_until(metrics_path, start_step)
     keep_metrics_until(output_dir / "diagnostics.jsonl", start_step)
 
-    def autocast():
-        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_cuda)
-
+    autocast = bf16_autocast(device)
     progress = tqdm(range(start_step, cfg.steps), initial=start_step, total=cfg.steps, desc=cfg.method)
     for step in progress:
         t0 = time.perf_counter()
@@ -1327,7 +1343,7 @@ def squared_probability_mass(hidden: torch.Tensor, weight: torch.Tensor, tempera
                              chunk_elements: int) -> torch.Tensor:
     """sum_v p_v^2 per position, streamed like the log-probs, for ||onehot - p||^2 = 1 - 2 p_y + sum_v p_v^2."""
     width = max(1, chunk_elements // weight.shape[0])
-    return torch.cat([(F.linear(hidden[s:s + width], weight).float() / temperature).softmax(-1).pow(2).sum(-1)
+    return torch.cat([scaled_logits(hidden[s:s + width], weight, temperature).softmax(-1).pow(2).sum(-1)
                       for s in range(0, hidden.shape[0], width)])
 
 
@@ -1431,15 +1447,9 @@ def diagnose(argv: list) -> Path:
     transformers.utils.logging.disable_progress_bar()
     tokenizer = load_tokenizer(cfg.model)
     model = load_model(cfg.model, torch.float32, device)
-    on_cuda = device.type == "cuda"
-    reference = None
-    if cfg.beta > 0:
-        reference = load_model(dcfg.reference_model or cfg.model, torch.bfloat16 if on_cuda else torch.float32,
-                               device).eval()
+    reference = load_reference(dcfg.reference_model or cfg.model, device) if cfg.beta > 0 else None
 
-    def autocast():
-        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_cuda)
-
+    autocast = bf16_autocast(device)
     torch.manual_seed(cfg.seed)
     prompts = PromptStream(load_training_rows(cfg), tokenizer, cfg)
     with autocast():

@@ -141,7 +141,7 @@ def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path) -> dict:
             for start in range(0, len(todo), cfg.batch_size):
                 batch = todo[start:start + cfg.batch_size]  # similar lengths: little padding
                 torch.manual_seed(cfg.seed + batch[0])  # a problem's samples do not depend on what ran before
-                texts = generate(model, tokenizer, [prompts[i] for i in batch], n, generation)
+                texts = cwgrpo.generate_completions(model, tokenizer, [prompts[i] for i in batch], n, generation)[-1]
                 all_grades = grader.grade_many([(text, problems[batch[k // n]][1], bench.gold_format)
                                                 for k, text in enumerate(texts)])  # n samples per problem
                 for j, i in enumerate(batch):
@@ -157,18 +157,6 @@ def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path) -> dict:
                 bar.update(len(batch))
         results[name] = summarise([done[i] for i in range(len(problems))], n)
     return results
-
-
-@torch.no_grad()
-def generate(model, tokenizer, prompts: list[list[int]], n: int, generation: GenerationConfig) -> list[str]:
-    width = max(map(len, prompts))
-    device = next(model.parameters()).device
-    ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    out = model.generate(input_ids=ids.repeat_interleave(n, 0), attention_mask=mask.repeat_interleave(n, 0),
-                         generation_config=generation)[:, width:]
-    lengths = cwgrpo.completion_mask_after_eos(out, generation.eos_token_id)[0].sum(1)
-    return tokenizer.batch_decode([row[: int(k)] for row, k in zip(out, lengths)], skip_special_tokens=True)
 
 
 def last_boxed(text: str) -> str:
