@@ -63,19 +63,24 @@ def make_policy_loss(method_name: str, overrides: dict):
         mask = response_mask.to(log_prob.dtype)
         # verl's advantages are per token; GRPO's are constant along a response
         per_response = (advantages * mask).sum(1) / mask.sum(1).clamp(min=1)
-        group = cwgrpo.Group(log_prob, old_log_prob, per_response, mask, torch.zeros_like(log_prob), None, None, 0)
-        terms = method.terms(group, cfg)
-        losses = cwgrpo.token_losses(log_prob, old_log_prob, None, per_response, terms, cfg)
-        loss = losses["loss"] if rollout_is_weights is None else losses["loss"] * rollout_is_weights
+        group = cwgrpo.Group(logp=log_prob, old_logp=old_log_prob, advantages=per_response,
+                             mask=mask, entropy=torch.zeros_like(log_prob), batch_entropy=None,
+                             divergence=None, update_pass=0)
+        terms = method.token_terms(group, cfg)
+        loss = cwgrpo.token_loss(log_prob, old_log_prob, None, per_response, terms, cfg)
+        if rollout_is_weights is not None:
+            loss = loss * rollout_is_weights
         pg_loss = agg_loss(loss_mat=loss, loss_mask=response_mask, loss_agg_mode=loss_agg_mode,
                            **getattr(config, "global_batch_info", {}))
+        token = cwgrpo.token_metrics(log_prob.detach(), old_log_prob, None,
+                                     torch.zeros_like(log_prob), per_response, mask, terms, cfg)
         valid = response_mask.bool()
-        weights = terms.pg_weight.detach()[valid]
-        return pg_loss, {"actor/pg_clipfrac": losses["clipped"][valid].float().mean().item(),
+        return pg_loss, {"actor/pg_clipfrac": token["clipped"].mean().item(),
                          "actor/ppo_kl": (old_log_prob - log_prob).detach()[valid].mean().item(),
-                         "actor/cwgrpo_w_mean": weights.mean().item(), "actor/cwgrpo_w_min": weights.min().item(),
-                         "actor/cwgrpo_w_max": weights.max().item(),
-                         "actor/cwgrpo_touched_frac": losses["touched"][valid].float().mean().item()}
+                         "actor/cwgrpo_w_mean": token["w"].mean().item(),
+                         "actor/cwgrpo_w_min": token["w"].min().item(),
+                         "actor/cwgrpo_w_max": token["w"].max().item(),
+                         "actor/cwgrpo_touched_frac": token["touched"].mean().item()}
 
     policy_loss.__name__ = f"cwgrpo_{method_name}_policy_loss"
     return policy_loss
@@ -105,7 +110,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None) -> f
 def convert(dataset: str, output_dir: str, question_column: str = "problem", gold_column: str = "solution",
             system_prompt: str = cwgrpo.OPEN_RS_SYSTEM_PROMPT, format_weight: float = 1.0) -> Path:
     """Open-RS (or any problem/solution data) as verl's RL parquet: chat prompt, rule reward, gold."""
-    rows = cwgrpo.load_rows(dataset, "train", question_column, gold_column)
+    rows = cwgrpo.load_dataset(dataset, "train", question_column, gold_column)
 
     def to_verl(row, index):
         prompt = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from transformers import GenerationConfig, HfArgumentParser
 
 import cwgrpo
+import plots
 
 
 class Benchmark(NamedTuple):
@@ -110,7 +111,7 @@ def load_benchmark(name: str, cfg: EvalConfig) -> tuple[str, Benchmark, list[tup
     else:
         raise SystemExit(f"error: unknown benchmark '{name}'; known: {', '.join(BENCHMARKS)}, or a local "
                          f".json/.jsonl/.parquet file")
-    rows = cwgrpo.load_rows(bench.source, bench.split, bench.question_column, bench.gold_column)
+    rows = cwgrpo.load_dataset(bench.source, bench.split, bench.question_column, bench.gold_column)
     problems = [(str(q), str(g)) for q, g in zip(rows[bench.question_column], rows[bench.gold_column])]
     return name, bench, problems[: cfg.limit or None]
 
@@ -238,22 +239,7 @@ def evaluate_checkpoints(cfg: EvalConfig, output_dir: Path) -> None:
         lines.append(f"| {TABLE_NAMES.get(name, name)} | " + " | ".join(f"{table[s][name]['pass@1']:.1f}"
                                                                          for s in table) + " |")
     (output_dir / "checkpoints.md").write_text("pass@1 in % per checkpoint\n\n" + "\n".join(lines) + "\n")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("note: no checkpoints.png without matplotlib (pip install matplotlib)")
-        return
-    figure, axis = plt.subplots(figsize=(7, 4.5))
-    for name in names:
-        axis.plot(list(table), [table[s][name]["pass@1"] for s in table], marker="o", label=TABLE_NAMES.get(name, name))
-    axis.set_xlabel("training step")
-    axis.set_ylabel("pass@1 (%)")
-    axis.grid(alpha=0.3)
-    axis.legend()
-    figure.tight_layout()
-    figure.savefig(output_dir / "checkpoints.png", dpi=120)
+    plots.plot_checkpoints(output_dir / "checkpoints.png", table, TABLE_NAMES)
 
 
 def main(argv=None) -> None:

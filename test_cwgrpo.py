@@ -4,6 +4,7 @@ Run: python -m pytest -q test_cwgrpo.py   (CPU, no network)
 """
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -18,7 +19,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import cwgrpo  # noqa: E402
-from cwgrpo import Grader, cw_weights, format_reward, group_advantages, math_reward  # noqa: E402
+import ablate  # noqa: E402
+import diagnose  # noqa: E402
+import tiny  # noqa: E402
+from cwgrpo import Grader, cw_weights, format_reward, grade_accuracy, group_advantages  # noqa: E402
 
 HERE = Path(__file__).parent
 
@@ -128,7 +132,7 @@ def test_group_advantages_hand_computed():
     ("\\boxed{\\frac{1}{", "\\boxed{7}", 0.0),
 ])
 def test_math_reward(completion, gold, score):
-    assert math_reward(completion, gold) == score
+    assert grade_accuracy(completion, gold).accuracy == score
 
 
 def test_unparseable_gold_scores_zero_and_is_flagged():
@@ -184,8 +188,8 @@ def test_chunked_logprobs_equal_direct(chunk):
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    tokenizer = cwgrpo.byte_level_qwen2_tokenizer()
-    return cwgrpo.tiny_qwen2(tokenizer, seed=0), tokenizer
+    tokenizer = tiny.byte_level_qwen2_tokenizer()
+    return tiny.tiny_qwen2(tokenizer, seed=0), tokenizer
 
 
 def test_byte_level_tokenizer_round_trips_and_reloads(tiny_model, tmp_path):
@@ -231,7 +235,7 @@ def test_gradient_does_not_depend_on_micro_batching(tiny_model, method):
         rows, n_tokens = cfg.groups_per_micro_batch * cfg.group_size, int(rollout.completion_mask.sum())
         model.zero_grad()
         for start in range(0, len(rollout.texts), rows):
-            loss, _ = cwgrpo.micro_batch_loss(model, rollout.rows(start, start + rows), cfg, len(rollout.texts), n_tokens)
+            loss, _ = cwgrpo.micro_batch_loss(model, rollout.select(start, start + rows), cfg, len(rollout.texts), n_tokens)
             loss.backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     model.zero_grad()
@@ -255,7 +259,7 @@ def test_presets_and_overrides():
     cfg = cwgrpo.parse_config([])
     assert (cfg.preset, cfg.method, cfg.group_size, cfg.learning_rate, cfg.beta) == ("paper-1.5b", "cw", 12, 1e-6, 0.04)
     cfg = cwgrpo.parse_config(["--preset", "tiny", "--group-size", "4", "--cw-detach"])
-    assert cfg.model == "tiny" and cfg.group_size == 4 and cfg.cw_detach
+    assert cfg.model == "runs/tiny-base/model" and cfg.group_size == 4 and cfg.cw_detach
     assert cfg.output_dir == "runs/cw-tiny-seed0"
 
 
@@ -273,7 +277,8 @@ def test_gpu_recipe_without_cuda_fails_in_one_line(tmp_path):
 
 def test_unknown_method_and_small_group_are_rejected():
     out = run_cli("--method", "nope")
-    assert out.returncode == 2 and "invalid choice" in out.stderr and "cw" in out.stderr
+    assert out.returncode == 1 and "unknown --method 'nope'; choose from grpo, cw" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
     with pytest.raises(SystemExit, match="group-size must be at least 2"):
         cwgrpo.parse_config(["--preset", "tiny", "--group-size", "1"])
 
@@ -282,20 +287,34 @@ def test_missing_column_lists_the_columns(tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text(json.dumps({"question": "1+1", "answer": "2"}) + "\n")
     with pytest.raises(SystemExit, match=r"no column 'problem'.*columns found: question, answer"):
-        cwgrpo.load_rows(str(data), "train", "problem", "solution")
-    assert cwgrpo.load_rows(str(data), "train", "question", "answer")["answer"] == ["2"]
+        cwgrpo.load_dataset(str(data), "train", "problem", "solution")
+    assert cwgrpo.load_dataset(str(data), "train", "question", "answer")["answer"] == ["2"]
 
 
 def test_model_not_found_offline_fails_clearly(tmp_path):
     with pytest.raises(SystemExit, match="cannot load model 'no-such-org/no-such-model'"):
         cwgrpo.load_model("no-such-org/no-such-model", torch.float32, torch.device("cpu"))
     with pytest.raises(SystemExit, match="cannot load dataset 'no-such-org/no-such-data'"):
-        cwgrpo.load_rows("no-such-org/no-such-data", "train", "problem", "solution")
+        cwgrpo.load_dataset("no-such-org/no-such-data", "train", "problem", "solution")
 
 
 # ------------------------------------------------------------------------------------ end to end
 
-TINY_RUN = ["--preset", "tiny", "--steps", "4", "--save-every", "2", "--warmstart-steps", "150"]
+@pytest.fixture(scope="session")
+def tiny_base(tmp_path_factory):
+    """The tiny preset's model and data, warm-started once for every test that trains."""
+    return tiny.build(str(tmp_path_factory.mktemp("tiny-base")), warmstart_steps=150)
+
+
+@pytest.fixture(scope="session")
+def tiny_args(tiny_base):
+    return ["--preset", "tiny", "--model", str(tiny_base / "model"),
+            "--dataset", str(tiny_base / "arithmetic.jsonl")]
+
+
+@pytest.fixture(scope="session")
+def TINY_RUN(tiny_args):
+    return [*tiny_args, "--steps", "4", "--save-every", "2"]
 TIMING_KEYS = {"rollout_s", "update_s", "tokens_per_s", "time"}
 
 
@@ -304,8 +323,8 @@ def read_metrics(path):
             for line in path.read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, TINY_RUN):
     out = tmp_path_factory.mktemp("run") / "cw"
     cwgrpo.train(cwgrpo.parse_config([*TINY_RUN, "--output-dir", str(out)]))
     return out
@@ -327,7 +346,7 @@ def test_tiny_run_writes_metrics_checkpoints_and_model(tiny_run):
     assert "rollout_s" in json.loads((tiny_run / "metrics.jsonl").read_text().splitlines()[0])
 
 
-def test_resume_reproduces_the_uninterrupted_run(tiny_run, tmp_path):
+def test_resume_reproduces_the_uninterrupted_run(tiny_run, tmp_path, TINY_RUN):
     crashed = tmp_path / "crashed"
     shutil.copytree(tiny_run, crashed)
     # as if killed during step 4's save: no checkpoint-4 (a partial one at most), no final model
@@ -339,12 +358,12 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_run, tmp_path):
     assert read_metrics(crashed / "metrics.jsonl") == read_metrics(tiny_run / "metrics.jsonl")
 
 
-def test_existing_run_is_not_silently_overwritten(tiny_run):
+def test_existing_run_is_not_silently_overwritten(tiny_run, TINY_RUN):
     with pytest.raises(SystemExit, match="already holds a run"):
         cwgrpo.train(cwgrpo.parse_config([*TINY_RUN, "--output-dir", str(tiny_run)]))
 
 
-def test_grpo_and_token_mean_and_iterations_run(tmp_path):
+def test_grpo_and_token_mean_and_iterations_run(tmp_path, TINY_RUN):
     out = tmp_path / "grpo"
     cwgrpo.train(cwgrpo.parse_config([*TINY_RUN, "--method", "grpo", "--output-dir", str(out), "--steps", "2",
                                       "--loss-aggregation", "token-mean", "--num-iterations", "2",
@@ -359,7 +378,9 @@ def test_grpo_and_token_mean_and_iterations_run(tmp_path):
 def make_group(logp, adv, mask, old_logp=None, entropy=None, batch_entropy=None, divergence=None, update_pass=0):
     old_logp = logp.clone() if old_logp is None else old_logp
     entropy = torch.zeros_like(logp) if entropy is None else entropy
-    return cwgrpo.Group(logp, old_logp, adv, mask, entropy, batch_entropy, divergence, update_pass)
+    return cwgrpo.Group(logp=logp, old_logp=old_logp, advantages=adv, mask=mask, entropy=entropy,
+                        batch_entropy=batch_entropy, divergence=divergence,
+                        update_pass=update_pass)
 
 
 def method_cfg(*args):
@@ -493,10 +514,10 @@ def test_stapo_silences_only_tokens_meeting_all_three_conditions():
 
 
 @pytest.mark.parametrize("method", sorted(cwgrpo.METHODS))
-def test_every_method_trains_on_the_tiny_preset(method, tmp_path):
+def test_every_method_trains_on_the_tiny_preset(method, tmp_path, tiny_args):
     out = tmp_path / method
-    cwgrpo.train(cwgrpo.parse_config(["--preset", "tiny", "--method", method, "--steps", "2", "--save-every", "2",
-                                      "--warmstart-steps", "150", "--output-dir", str(out)]))
+    cwgrpo.train(cwgrpo.parse_config([*tiny_args, "--method", method, "--steps", "2",
+                                      "--save-every", "2", "--output-dir", str(out)]))
     records = read_metrics(out / "metrics.jsonl")
     passes = cwgrpo.METHODS[method].update_passes
     assert [r["update_pass"] for r in records] == list(range(passes)) * 2  # lopti: low pass first
@@ -570,21 +591,21 @@ def test_evaluate_checkpoints_writes_the_stability_table(tiny_run, tmp_path):
     assert (out / "checkpoint-2" / "results.json").is_file() and (out / "checkpoint-4" / "results.md").is_file()
 
 
-def test_ablate_writes_table_and_resumes(tmp_path):
+def test_ablate_writes_table_and_resumes(tmp_path, tiny_args):
     out = tmp_path / "ablation"
     args = ["--methods", "grpo,cw", "--seeds", "2", "--no-plot", "--output-dir", str(out), "--threshold", "0.1",
-            "--", "--steps", "2", "--save-every", "2", "--warmstart-steps", "100"]
-    cwgrpo.ablate(args)
+            "--", *tiny_args[2:], "--steps", "2", "--save-every", "2"]
+    ablate.ablate(args)
     rows = [line for line in (out / "ablation.md").read_text().splitlines() if line.startswith("| grpo") or
             line.startswith("| cw")]
     assert len(rows) == 2 and all(line.count("|") == 7 for line in rows)
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["cw-seed0", "cw-seed1", "grpo-seed0", "grpo-seed1"]
     assert len(read_metrics(out / "cw-seed1" / "metrics.jsonl")) == 2
     stamp = (out / "cw-seed0" / "wall_time.json").stat().st_mtime_ns
-    cwgrpo.ablate(args)  # finished runs are not run again
+    ablate.ablate(args)  # finished runs are not run again
     assert (out / "cw-seed0" / "wall_time.json").stat().st_mtime_ns == stamp
     with pytest.raises(SystemExit, match="unknown method nope"):
-        cwgrpo.ablate(["--methods", "grpo,nope", "--no-plot", "--output-dir", str(out)])
+        ablate.ablate(["--methods", "grpo,nope", "--no-plot", "--output-dir", str(out)])
 
 
 # ------------------------------------------------------------------------------------- diagnostics
@@ -592,48 +613,49 @@ def test_ablate_writes_table_and_resumes(tmp_path):
 def test_concentration_hand_computed():
     # 4 positive scores (10, 3, 2, 1) and 2 negative (-6, -2); zeros belong to neither side
     scores = torch.tensor([1.0, -2.0, 10.0, 0.0, 3.0, -6.0, 2.0])
-    result = cwgrpo.concentration(scores)
+    result = diagnose.concentration(scores)
     # top 0.01%, 0.1%, 1% of 4 tokens: 1 token; 10%: ceil(0.4) = 1; 100%: all four
     assert result["positive"] == {0.0001: 10.0, 0.001: 10.0, 0.01: 10.0, 0.1: 10.0, 1.0: 4.0}
     assert result["negative"] == {0.0001: -6.0, 0.001: -6.0, 0.01: -6.0, 0.1: -6.0, 1.0: -4.0}
     many = torch.arange(1.0, 1001.0)  # top 1% of 1000 = the 10 largest: mean 995.5; top 10%: mean 950.5
-    assert cwgrpo.concentration(many)["positive"][0.01] == 995.5
-    assert cwgrpo.concentration(many)["positive"][0.1] == 950.5
-    assert cwgrpo.concentration(many)["negative"][1.0] == 0.0
+    assert diagnose.concentration(many)["positive"][0.01] == 995.5
+    assert diagnose.concentration(many)["positive"][0.1] == 950.5
+    assert diagnose.concentration(many)["negative"][1.0] == 0.0
 
 
 def test_quantile_masks_partition():
     values = torch.rand(1001, generator=torch.Generator().manual_seed(0))
-    masks = cwgrpo.quantile_masks(values, 4)
+    masks = diagnose.quantile_masks(values, 4)
     assert torch.equal(sum(m.long() for m in masks), torch.ones(1001, dtype=torch.long))
     assert [int(m.sum()) for m in masks] == [251, 250, 250, 250]
     assert all(values[a].max() <= values[b].min() for a, b in zip(masks, masks[1:]))
 
 
 @pytest.fixture(scope="module")
-def scored_rollout(tiny_run):
+def scored_rollout(tiny_run, tiny_base):
     cfg = cwgrpo.parse_config(["--preset", "tiny", "--prompts-per-step", "4", "--groups-per-micro-batch", "2"])
     tokenizer = cwgrpo.load_tokenizer(str(tiny_run / "final-model"))
     model = cwgrpo.load_model(str(tiny_run / "final-model"), torch.float32, torch.device("cpu"))
-    reference = cwgrpo.load_model(str(tiny_run / "base-model"), torch.float32, torch.device("cpu"))
+    reference = cwgrpo.load_model(str(tiny_base / "model"), torch.float32, torch.device("cpu"))
     torch.manual_seed(0)
-    prompts = cwgrpo.PromptStream(cwgrpo.tiny_arithmetic(0), tokenizer, cfg)
+    prompts = cwgrpo.PromptStream(tiny.arithmetic_dataset(0), tokenizer, cfg)
     rollout = cwgrpo.sample(model, tokenizer, prompts.next_batch(4), cfg)
-    cwgrpo.score_rollout(rollout, Grader(), cfg)
-    rollout.ref_logp = cwgrpo.rollout_pass(reference, rollout, cfg)["logp"]
+    grades = Grader().grade_many([(t, g, "default") for t, g in zip(rollout.texts, rollout.golds)])
+    cwgrpo.rollout_rewards(rollout, grades, cfg)
+    rollout.ref_logp = cwgrpo.policy_token_stats(reference, rollout, cfg)["logp"]
     return model, rollout, cfg
 
 
 def test_quartile_gradients_sum_to_the_full_gradient(scored_rollout):
     model, rollout, cfg = scored_rollout
     valid = rollout.completion_mask.bool()
-    prob = cwgrpo.rollout_pass(model, rollout, cfg)["logp"].exp()[valid]
-    quartiles = [cwgrpo.scatter_valid(q, valid) for q in cwgrpo.quantile_masks(prob, 4)]
+    prob = cwgrpo.policy_token_stats(model, rollout, cfg)["logp"].exp()[valid]
+    quartiles = [diagnose.scatter_valid(q, valid) for q in diagnose.quantile_masks(prob, 4)]
     assert torch.equal(sum(quartiles), rollout.completion_mask)
 
     def gradient(active):
         model.zero_grad(set_to_none=True)
-        cwgrpo.accumulate_gradients(model, cwgrpo.dataclasses.replace(rollout, active=active), cfg, contextlib.nullcontext)
+        cwgrpo.accumulate_gradients(model, dataclasses.replace(rollout, active=active), cfg, contextlib.nullcontext)
         return torch.cat([p.grad.flatten() for p in model.parameters()])
     full = gradient(rollout.completion_mask)
     parts = [gradient(q) for q in quartiles]
@@ -645,31 +667,30 @@ def test_quartile_gradients_sum_to_the_full_gradient(scored_rollout):
 def test_diagnose_rollout_report(scored_rollout):
     model, rollout, cfg = scored_rollout
     rng = torch.get_rng_state()
-    report = cwgrpo.diagnose_rollout(model, rollout, cfg, contextlib.nullcontext)
+    report = diagnose.diagnose_rollout(model, rollout, cfg, contextlib.nullcontext)
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(p.grad is None for p in model.parameters())
     assert set(report["full_gradient_norm"]) == {"beta=0", "beta=0.04"}
     assert sum(q["tokens"] for q in report["quartiles"]) == report["tokens"] == int(rollout.completion_mask.sum())
     # with beta = 0 the token weight is the advantage alone: the KL part is zero
     valid = rollout.completion_mask.bool()
-    prob = cwgrpo.rollout_pass(model, rollout, cfg)["logp"].exp()[valid]
+    prob = cwgrpo.policy_token_stats(model, rollout, cfg)["logp"].exp()[valid]
     adv = rollout.advantages[:, None].expand_as(rollout.completion_mask)[valid]
-    for q, mask in zip(report["quartiles"], cwgrpo.quantile_masks(prob, 4)):
+    for q, mask in zip(report["quartiles"], diagnose.quantile_masks(prob, 4)):
         assert q["beta=0"]["abs_weight_mean"] == pytest.approx(adv[mask].abs().mean().item(), rel=1e-5)
     assert any(q["beta=0.04"]["abs_weight_mean"] != q["beta=0"]["abs_weight_mean"] for q in report["quartiles"])
     assert len(report["cw_weight_by_covariance_decile"]) == 10
 
 
-def test_diagnose_command_and_training_diagnostics(tiny_run, tmp_path):
+def test_diagnose_command_and_training_diagnostics(tiny_run, tiny_base, tmp_path, TINY_RUN):
     out = tmp_path / "diag"
-    cwgrpo.main(["diagnose", "--preset", "tiny", "--model", str(tiny_run / "final-model"), "--reference-model",
-                 str(tiny_run / "base-model"), "--diagnostics-dir", str(out), "--prompts-per-step", "2"])
+    diagnose.batch(["--preset", "tiny", "--model", str(tiny_run / "final-model"),
+                    "--reference-model", str(tiny_base / "model"), "--diagnostics-dir", str(out),
+                    "--prompts-per-step", "2", "--dataset", str(tiny_base / "arithmetic.jsonl")])
     assert "## Covariance concentration" in (out / "diagnostics.md").read_text()
     assert json.loads((out / "diagnostics.json").read_text())["tokens"] > 0
-    with pytest.raises(SystemExit, match="diagnose needs a trained model"):
-        cwgrpo.main(["diagnose", "--preset", "tiny"])
     # --diagnose-every appends figures without changing the training itself
     run = tmp_path / "run"
-    cwgrpo.train(cwgrpo.parse_config([*TINY_RUN, "--output-dir", str(run), "--diagnose-every", "2"]))
+    diagnose.train([*TINY_RUN, "--output-dir", str(run), "--every", "2"])
     assert [json.loads(line)["rollout_step"] for line in (run / "diagnostics.jsonl").read_text().splitlines()] == [2, 4]
     assert read_metrics(run / "metrics.jsonl") == read_metrics(tiny_run / "metrics.jsonl")

@@ -73,8 +73,11 @@ def test_registered_loss_equals_cwgrpos_loss_path(name, mode):
     ours = logp.clone().requires_grad_(True)
     adv = advantages[:, 0]
     torch.manual_seed(1)
-    terms = cwgrpo.METHODS[method].terms(cwgrpo.Group(ours, old, adv, mask, torch.zeros_like(ours), None, None, 0), cfg)
-    per_token = cwgrpo.token_losses(ours, old, None, adv, terms, cfg)["loss"]
+    group = cwgrpo.Group(logp=ours, old_logp=old, advantages=adv, mask=mask,
+                         entropy=torch.zeros_like(ours), batch_entropy=None, divergence=None,
+                         update_pass=0)
+    terms = cwgrpo.METHODS[method].token_terms(group, cfg)
+    per_token = cwgrpo.token_loss(ours, old, None, adv, terms, cfg)
     loss = cwgrpo.aggregate(per_token, mask, mode, len(mask), int(mask.sum()))
     loss.backward()
     torch.testing.assert_close(verl_loss, loss.detach(), rtol=1e-5, atol=1e-6)

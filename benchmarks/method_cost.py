@@ -57,10 +57,12 @@ def main() -> None:
 
     def step(method_name: str):
         logp = old_logp.clone().requires_grad_(True)
-        group = cwgrpo.Group(logp, old_logp, adv, mask, entropy, batch_entropy, divergence, 0)
-        terms = cwgrpo.METHODS[method_name].terms(group, cfg)
-        losses = cwgrpo.token_losses(logp, old_logp, ref_logp, adv, terms, cfg)
-        cwgrpo.aggregate(losses["loss"], mask, cfg.loss_aggregation, G, int(mask.sum())).backward()
+        group = cwgrpo.Group(logp=logp, old_logp=old_logp, advantages=adv, mask=mask,
+                             entropy=entropy, batch_entropy=batch_entropy, divergence=divergence,
+                             update_pass=0)
+        terms = cwgrpo.METHODS[method_name].token_terms(group, cfg)
+        per_token = cwgrpo.token_loss(logp, old_logp, ref_logp, adv, terms, cfg)
+        cwgrpo.aggregate(per_token, mask, cfg.loss_aggregation, G, int(mask.sum())).backward()
 
     base = timed(lambda: step("grpo"), args.repeats)
     print(f"{'method':10s} {'ms':>8s} {'x grpo':>7s}")

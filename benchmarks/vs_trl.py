@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cwgrpo  # noqa: E402
+import tiny  # noqa: E402
 
 
 def shared_settings(args) -> dict:
@@ -33,7 +34,8 @@ def shared_settings(args) -> dict:
 def run_cwgrpo(args, base_model: Path, out: Path) -> list[float]:
     s = shared_settings(args)
     cfg = cwgrpo.parse_config([
-        "--preset", "tiny", "--method", "grpo", "--model", str(base_model), "--beta", "0", "--steps", str(args.steps),
+        "--preset", "tiny", "--method", "grpo", "--model", str(base_model),
+        "--dataset", str(base_model.parent / "arithmetic.jsonl"), "--beta", "0", "--steps", str(args.steps),
         "--save-every", str(10 ** 9), "--group-size", str(s["group_size"]), "--prompts-per-step", str(s["prompts_per_step"]),
         "--groups-per-micro-batch", str(s["prompts_per_step"]), "--output-dir", str(out / "cwgrpo")])
     cwgrpo.train(cfg)
@@ -53,7 +55,7 @@ def run_trl(args, base_model: Path, out: Path) -> list[float]:
         grades = grader.grade_many([(t, g, "default") for t, g in zip(texts, solution)])
         return [grade.accuracy + cwgrpo.format_reward(t) for grade, t in zip(grades, texts)]
 
-    rows = cwgrpo.tiny_arithmetic(0)
+    rows = tiny.arithmetic_dataset(0)
     data = datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": q}] for q in rows["problem"]],
                                        "solution": rows["solution"]})
     config = GRPOConfig(
@@ -97,8 +99,7 @@ def main() -> None:
         return
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = cwgrpo.parse_config(["--preset", "tiny"])
-        base_model = cwgrpo.prepare_tiny_base_model(Path(tmp), cfg)
+        base_model = tiny.build(tmp) / "model"
         print(f"{args.steps} steps of {args.prompts} prompts x G = {args.group_size}, up to 40 new tokens, "
               f"beta 0, one update per batch, {os.cpu_count()} CPU threads, TRL {version('trl')}, "
               f"transformers {version('transformers')}, torch {version('torch')}")

@@ -1,0 +1,124 @@
+"""tiny.py: the tiny preset's model and data, built once so that cwgrpo.py trains it like any other.
+
+    python tiny.py                                # writes runs/tiny-base/{model,arithmetic.jsonl}
+    python cwgrpo.py --method cw --preset tiny    # then trains it, in about a minute on a CPU
+
+A Qwen2 of 115k parameters with Qwen2's byte-level tokenizer (256 byte tokens and the ChatML
+specials), given a few seconds of supervised warm-start on a synthetic task: single-digit sums
+whose gold is written in \\boxed{} like a MATH solution, so cwgrpo's math-verify reward grades it.
+"""
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+import torch
+from transformers import HfArgumentParser, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
+
+import cwgrpo
+
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@dataclass
+class TinyConfig:
+    output_dir: str = cwgrpo.arg("runs/tiny-base", "gets model/ and arithmetic.jsonl")
+    seed: int = cwgrpo.arg(0, "seed of the model's initialisation, the data and the warm-start")
+    warmstart_steps: int = cwgrpo.arg(250, "supervised steps of 32 examples before RL")
+    examples: int = cwgrpo.arg(2000, "synthetic problems in arithmetic.jsonl")
+    overwrite: bool = cwgrpo.arg(False, "rebuild even if the output folder holds a model")
+
+
+def byte_level_qwen2_tokenizer() -> Qwen2Tokenizer:
+    """Qwen2's byte-level BPE with no merges: 256 byte tokens plus the ChatML specials."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    vocab = {char: byte for byte, char in bytes_to_unicode().items()}
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], eos_token="<|im_end|>",
+                               pad_token="<|endoftext|>", unk_token=None,
+                               additional_special_tokens=["<|im_start|>"])
+    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def tiny_qwen2(tokenizer, seed: int) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=192,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=128, tie_word_embeddings=True,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=None)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
+def arithmetic_dataset(seed: int, n: int = 2000) -> datasets.Dataset:
+    """Two-number sums; the gold is written in \\boxed{} like a MATH solution."""
+    rng = random.Random(seed)
+    pairs = [(rng.randrange(10), rng.randrange(10)) for _ in range(n)]
+    return datasets.Dataset.from_dict({"problem": [f"{a}+{b}" for a, b in pairs],
+                                       "solution": [f"\\boxed{{{a + b}}}" for a, b in pairs]})
+
+
+def warmstart_targets(question: str) -> list[str]:
+    """The completions the warm-start imitates, half with the think-close tag off format, so the
+    model starts at about 50% format reward and RL has a first thing to learn; then the sums."""
+    a, b = map(int, question.split("+"))
+    return [f"{a}+{b}={a + b}\n</think>\n\\boxed{{{a + b}}}",
+            f"{a}+{b}={a + b} </think> \\boxed{{{a + b}}}"]
+
+
+def warm_start(model, tokenizer, questions: list[str], steps: int) -> None:
+    """Next-token cross-entropy on reference completions: the format, and some of the sums."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    examples = []
+    for question in questions:
+        prompt = cwgrpo.chat_prompt_ids(tokenizer, question, "")
+        for target in warmstart_targets(question):
+            answer = tokenizer(target, add_special_tokens=False)["input_ids"]
+            examples.append((prompt + answer + [tokenizer.eos_token_id], len(prompt)))
+    model.train()
+    for _ in range(steps):
+        batch = random.sample(examples, 32)
+        width = max(len(ids) for ids, _ in batch)
+        input_ids = torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids))
+                                  for ids, _ in batch])
+        labels = torch.tensor([[-100] * n + ids[n:] + [-100] * (width - len(ids))
+                               for ids, n in batch])
+        model(input_ids=input_ids, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def build(output_dir: str = "runs/tiny-base", seed: int = 0, warmstart_steps: int = 250,
+          examples: int = 2000, overwrite: bool = False) -> Path:
+    """Writes <output_dir>/arithmetic.jsonl and the warm-started <output_dir>/model; returns the
+    folder. A folder that already holds a model is left as it is unless overwrite."""
+    out = Path(output_dir)
+    if (out / "model" / "config.json").is_file() and not overwrite:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    data = arithmetic_dataset(seed, examples)
+    with (out / "arithmetic.jsonl").open("w") as f:
+        for row in data:
+            f.write(json.dumps(row) + "\n")
+    tokenizer = byte_level_qwen2_tokenizer()
+    model = tiny_qwen2(tokenizer, seed)
+    random.seed(seed)
+    warm_start(model, tokenizer, data["problem"], warmstart_steps)
+    cwgrpo.save_checkpoint(out, "model", model, tokenizer)
+    return out
+
+
+if __name__ == "__main__":
+    (tcfg,) = HfArgumentParser(TinyConfig, description=__doc__.split("\n\n")[0]) \
+        .parse_args_into_dataclasses()
+    print(f"building the tiny preset's model and data in {tcfg.output_dir} ...", flush=True)
+    out = build(tcfg.output_dir, tcfg.seed, tcfg.warmstart_steps, tcfg.examples, tcfg.overwrite)
+    print(f"done: {out / 'model'} and {out / 'arithmetic.jsonl'}; now run "
+          f"python cwgrpo.py --method cw --preset tiny")
