@@ -28,14 +28,15 @@ from typing import Callable, Literal, NamedTuple
 
 import datasets
 import torch
-import torch.nn.functional as F
 import transformers
 from latex2sympy2_extended import NormalizationConfig
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, HfArgumentParser
 
-from timeout_pool import TimeoutPool
+from lm_head import chunked_logprobs, scaled_logits
+from runtime import (CachedTimeoutPool, keep_records_until, latest_checkpoint, rng_states,
+                     save_checkpoint, set_rng_states)
 
 # 1. Config --------------------------------------------------------------------------------------
 
@@ -49,11 +50,9 @@ OPEN_RS_SYSTEM_PROMPT = (
     "English, NOT use other languages."
 )
 
-
 def arg(default, help: str, **metadata):
     """A Config field with its --help text."""
     return field(default=default, metadata={"help": help, **metadata})
-
 
 @dataclass
 class Config:
@@ -154,7 +153,6 @@ class Config:
         if not self.output_dir:
             self.output_dir = f"runs/{self.method}-{self.preset}-seed{self.seed}"
 
-
 PRESETS = {
     "paper-1.5b": {},  # the Config defaults are this recipe
     "paper-7b": dict(model="Qwen/Qwen2.5-Math-7B-Instruct", format_weight=0.0, steps=150,
@@ -167,7 +165,6 @@ PRESETS = {
                  gradient_checkpointing=False),
 }
 GPU_PRESETS = ("paper-1.5b", "paper-7b")
-
 
 def parse_config(argv=None, *extra_dataclasses):
     """The run's Config (and those of extra dataclasses a tool adds): the preset's values as
@@ -183,7 +180,6 @@ def parse_config(argv=None, *extra_dataclasses):
     parsed = parser.parse_args_into_dataclasses(argv)
     return parsed if extra_dataclasses else parsed[0]
 
-
 def resolve_device(cfg: Config) -> torch.device:
     if cfg.device == "auto":
         if cfg.preset in GPU_PRESETS and not torch.cuda.is_available():
@@ -194,7 +190,6 @@ def resolve_device(cfg: Config) -> torch.device:
         raise SystemExit("error: --device cuda but no CUDA GPU was found; use --device cpu")
     return torch.device(cfg.device)
 
-
 def bf16_autocast(device: torch.device):
     """A factory of autocast contexts: bf16 on CUDA (weights stay fp32 masters), none on CPU."""
     return lambda: torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
@@ -203,7 +198,6 @@ def bf16_autocast(device: torch.device):
 # 2. Data and prompts ----------------------------------------------------------------------------
 
 LOCAL_DATA_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
-
 
 def load_dataset(name: str, split: str, question_column: str, gold_column: str):
     """A hub dataset or a local file, checked to have the question and gold columns."""
@@ -227,17 +221,14 @@ def load_dataset(name: str, split: str, question_column: str, gold_column: str):
                          f"Set --question-column and --gold-column")
     return dataset
 
-
 def first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
-
 
 def chat_prompt_ids(tokenizer, question: str, system_prompt: str) -> list[int]:
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": question})
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                          return_dict=True)["input_ids"]
-
 
 class PromptStream:
     """Tokenised (prompt, gold) pairs in seeded shuffled order, epoch after epoch.
@@ -278,14 +269,12 @@ class Grade(NamedTuple):
     gold_parsed: bool  # False: the gold could not be parsed, so the score is 0 by rule
     timed_out: bool    # grading was cut off (ours or math-verify's own limit), so the score is 0
 
-
 GOLD_EXTRACTION = {"default": [LatexExtractionConfig(), ExprExtractionConfig()],
                    "expr": [ExprExtractionConfig()], "latex": [LatexExtractionConfig()]}
 PREDICTION_EXTRACTION = [LatexExtractionConfig(
     normalization_config=NormalizationConfig(basic_latex=True, units=True, malformed_operators=False,
                                              nits=False, boxed="all", equations=False),
     boxed_match_priority=0, try_extract_without_anchor=False)]
-
 
 def grade_accuracy(completion: str, gold: str, gold_format: str = "default") -> Grade:
     """1.0 if math-verify finds the completion's answer equal to the gold, checked gold first
@@ -298,42 +287,19 @@ def grade_accuracy(completion: str, gold: str, gold_format: str = "default") -> 
                        extraction_config=PREDICTION_EXTRACTION)
     return Grade(float(verify(gold_parsed, prediction)), True, False)
 
-
 def format_reward(completion: str) -> float:
     return float(completion.count("\n</think>\n") == 1)
 
-
-class Grader:
+class Grader(CachedTimeoutPool):
     """Grades (completion, gold, gold_format) triples on worker processes, each under a hard time
     limit (math-verify's own limit uses SIGALRM, which works only on a main thread). Results are
     cached, which never changes a score: grading is a pure function of its inputs."""
 
-    def __init__(self, timeout_s: float = 10.0, workers: int = 1, max_cache: int = 200_000):
-        self.timeout_s, self.max_cache, self.cache = timeout_s, max_cache, {}
-        self.pool = TimeoutPool(grade_in_worker, workers, timeout_s, Grade(0.0, True, True))
-
-    def submit(self, items: list[tuple[str, str, str]]) -> Callable[[], list[Grade]]:
-        """Starts grading the uncached triples; returns a function that waits for the grades."""
-        todo = list(dict.fromkeys(key for key in items if key not in self.cache))
-        if len(self.cache) + len(todo) > self.max_cache:
-            self.cache.clear()
-            todo = list(dict.fromkeys(items))
-        graded = self.pool.submit(todo)
-
-        def grades() -> list[Grade]:
-            self.cache.update(zip(todo, graded.result()))
-            return [self.cache[key] for key in items]
-        return grades
-
-    def grade_many(self, items: list[tuple[str, str, str]]) -> list[Grade]:
-        return self.submit(items)()
+    def __init__(self, timeout_s: float = 10.0, workers: int = 1):
+        super().__init__(grade_in_worker, workers, timeout_s, Grade(0.0, True, True))
 
     def grade(self, completion: str, gold: str, gold_format: str = "default") -> Grade:
-        return self.grade_many([(completion, gold, gold_format)])[0]
-
-    def close(self) -> None:
-        self.pool.close()
-
+        return self.map([(completion, gold, gold_format)])[0]
 
 def grade_in_worker(completion: str, gold: str, gold_format: str) -> Grade:
     """grade_accuracy inside a grading worker: any failure inside the grader is a wrong answer."""
@@ -342,7 +308,6 @@ def grade_in_worker(completion: str, gold: str, gold_format: str) -> Grade:
         return grade_accuracy(completion, gold, gold_format)
     except Exception:  # noqa: BLE001
         return Grade(0.0, True, False)
-
 
 def reward_worker_count(requested: int) -> int:
     return requested or min(8, os.cpu_count() or 1)
@@ -387,12 +352,10 @@ class Rollout:
                 out[name] = out[name][:, :completion_len]
         return Rollout(**out)
 
-
 def eos_token_ids(model, tokenizer) -> list[int]:
     ids = model.generation_config.eos_token_id
     ids = [ids] if isinstance(ids, int) else list(ids or [])
     return ids or [tokenizer.eos_token_id]
-
 
 @torch.no_grad()
 def sample(model, tokenizer, batch: list[tuple[list[int], str]], cfg: Config) -> Rollout:
@@ -410,7 +373,6 @@ def sample(model, tokenizer, batch: list[tuple[list[int], str]], cfg: Config) ->
         completion_mask = completion_mask * (~truncated)[:, None]
     return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts,
                    golds)
-
 
 @torch.no_grad()
 def generate_completions(model, tokenizer, prompts: list[list[int]], n: int,
@@ -432,7 +394,6 @@ def generate_completions(model, tokenizer, prompts: list[list[int]], n: int,
                                    skip_special_tokens=True)
     return prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts
 
-
 def completion_mask_after_eos(completion_ids: torch.Tensor, eos: list[int]):
     """1 for every token up to and including the first EOS, 0 after; and which rows have no EOS."""
     is_eos = torch.isin(completion_ids, torch.tensor(eos, device=completion_ids.device))
@@ -443,61 +404,6 @@ def completion_mask_after_eos(completion_ids: torch.Tensor, eos: list[int]):
 
 
 # 5. Log-probs and entropy, chunked over positions -----------------------------------------------
-
-def scaled_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    """float32 logits divided by the sampling temperature: the distribution that was sampled."""
-    return F.linear(hidden, weight).float().div_(temperature)
-
-
-class ChunkedLogProbs(torch.autograd.Function):
-    """log p(target) and the entropy at each position from hidden states and the LM head, chunk by
-    chunk of positions. Backward recomputes each chunk's softmax and turns it into the logits'
-    gradient in place, so at most about two (chunk, vocab) float32 blocks are alive at once,
-    whatever the vocabulary and length, and no logits are kept between the passes."""
-
-    @staticmethod
-    @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, hidden, weight, targets, temperature, width):
-        logp = torch.empty(hidden.shape[0], device=hidden.device)
-        entropy = torch.empty_like(logp)
-        for start in range(0, hidden.shape[0], width):
-            chunk = slice(start, start + width)
-            logp_all = scaled_logits(hidden[chunk], weight, temperature).log_softmax(-1)
-            logp[chunk] = logp_all.gather(-1, targets[chunk, None]).squeeze(-1)
-            entropy[chunk] = -logp_all.exp().mul_(logp_all).sum(-1)
-        ctx.save_for_backward(hidden, weight, targets)
-        ctx.temperature, ctx.width = temperature, width
-        ctx.mark_non_differentiable(entropy)
-        return logp, entropy
-
-    @staticmethod
-    @torch.amp.custom_bwd(device_type="cuda")
-    def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, targets = ctx.saved_tensors
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, device=weight.device) \
-            if ctx.needs_input_grad[1] else None
-        for start in range(0, hidden.shape[0], ctx.width):
-            chunk = slice(start, start + ctx.width)
-            grad_logits = scaled_logits(hidden[chunk], weight, ctx.temperature).softmax(-1)
-            g = grad_logp[chunk, None]
-            # d logp / d logits = (onehot - p) / T
-            grad_logits.mul_(-g).scatter_add_(1, targets[chunk, None], g).div_(ctx.temperature)
-            if grad_hidden is not None:
-                grad_hidden[chunk] = grad_logits.to(hidden.dtype) @ weight.to(hidden.dtype)
-            if grad_weight is not None:
-                grad_weight += (grad_logits.T.to(hidden.dtype) @ hidden[chunk]).float()
-        grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None
-
-
-def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                     temperature: float, chunk_elements: int):
-    """(positions,) log-probs of `targets` and entropies, never more than chunk_elements logits
-    at once."""
-    width = max(1, chunk_elements // weight.shape[0])
-    return ChunkedLogProbs.apply(hidden, weight, targets, temperature, width)
-
 
 def completion_logprobs(model, rollout: Rollout, cfg: Config):
     """(N, T) log-probs of the sampled completion tokens and the entropies there, 0 on padding;
@@ -542,7 +448,6 @@ class Group(NamedTuple):
     divergence: torch.Tensor | None     # (G, T) ict's JS score, for the methods that ask for it
     update_pass: int          # 0; lopti's second (high-probability) pass is 1
 
-
 class TokenTerms(NamedTuple):
     """How a method changes the per-token loss w * pg + beta * k3."""
     pg_weight: torch.Tensor  # w (G, T); 0 drops a token's PG term, not its share of the denominator
@@ -550,17 +455,14 @@ class TokenTerms(NamedTuple):
     clip: bool = True                   # False: the PG term without PPO clipping (kl_cov)
     active: torch.Tensor | None = None  # tokens whose PG and KL terms count in this pass (lopti)
 
-
 def grpo(group: Group, cfg: Config) -> TokenTerms:
     return TokenTerms(group.mask)  # w = 1 (Shao et al. 2024)
-
 
 def covariance_score(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """CW-GRPO's per-token covariance score of one group (math.md "cw", steps 1-3)."""
     mu = (logp * mask).sum(1) / mask.sum(1).clamp(min=1)       # 1. each response's mean log-prob
     centred_adv = adv - adv.mean()                               # 2.
     return (logp - mu[:, None]) * centred_adv[:, None] * mask    # 3.
-
 
 def cw_weights(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *,
                norm: str = "padded", detach: bool = False) -> torch.Tensor:
@@ -582,11 +484,9 @@ def cw_weights(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *,
     weights = kernel * total / kernel.sum()
     return weights.detach() if detach else weights                         # 7.
 
-
 def cw(group: Group, cfg: Config) -> TokenTerms:
     return TokenTerms(cw_weights(group.logp, group.advantages, group.mask, norm=cfg.cw_norm,
                                  detach=cfg.cw_detach))
-
 
 def token_covariance(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Cui et al.'s C = (logp - mean logp) (A - mean A), means over the valid tokens (math.md)."""
@@ -594,12 +494,10 @@ def token_covariance(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) 
     n_valid = mask.sum()
     return (logp - (logp * mask).sum() / n_valid) * (adv - (adv * mask).sum() / n_valid) * mask
 
-
 def ppo_clipped(ratio: torch.Tensor, adv: torch.Tensor, cfg: Config) -> torch.Tensor:
     """Tokens whose PG term PPO's clip holds constant (no gradient)."""
     return (((ratio < 1 - cfg.eps_low) & (adv[:, None] < 0))
             | ((ratio > 1 + cfg.eps_high) & (adv[:, None] > 0)))
-
 
 def clip_cov(group: Group, cfg: Config) -> TokenTerms:
     """Clip-Cov (Cui et al. 2025): zero the loss of a few random tokens with lb < C < ub."""
@@ -614,7 +512,6 @@ def clip_cov(group: Group, cfg: Config) -> TokenTerms:
     weight[chosen[:, 0], chosen[:, 1]] = 0
     return TokenTerms(weight)
 
-
 def kl_cov(group: Group, cfg: Config) -> TokenTerms:
     """KL-Cov (Cui et al. 2025): no clipping; |logp - old_logp| on the top-k tokens by C."""
     cov = token_covariance(group.logp, group.advantages, group.mask)
@@ -624,37 +521,30 @@ def kl_cov(group: Group, cfg: Config) -> TokenTerms:
     extra = cfg.kl_cov_coef * (group.logp - group.old_logp).abs() * top.view_as(group.mask)
     return TokenTerms(group.mask, extra=extra, clip=False)
 
-
 def ar_weights(old_logp: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.Tensor:
     """Advantage reweighting (Yang et al. 2025, Eq. 4): w = alpha p_old + 1 - alpha, constant."""
     return (alpha * old_logp.exp() + 1 - alpha) * mask
-
 
 def lopti_active(old_logp: torch.Tensor, mask: torch.Tensor, eta: float, update_pass: int):
     """Lopti (Yang et al. 2025): pass 0 updates the tokens with p_old < eta, pass 1 the rest."""
     low = old_logp.exp() < eta
     return mask * (low if update_pass == 0 else ~low)
 
-
 def ar(group: Group, cfg: Config) -> TokenTerms:
     return TokenTerms(ar_weights(group.old_logp, group.mask, cfg.ar_alpha))
-
 
 def lopti(group: Group, cfg: Config) -> TokenTerms:
     return TokenTerms(group.mask, active=lopti_active(group.old_logp, group.mask, cfg.lopti_eta,
                                                       group.update_pass))
-
 
 def ar_lopti(group: Group, cfg: Config) -> TokenTerms:
     return TokenTerms(ar_weights(group.old_logp, group.mask, cfg.ar_lopti_alpha),
                       active=lopti_active(group.old_logp, group.mask, cfg.ar_lopti_eta,
                                           group.update_pass))
 
-
 def renormalised(keep: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Weights that make a response's token mean of the PG term run over its kept tokens only."""
     return keep * mask.sum(1, keepdim=True) / keep.sum(1, keepdim=True).clamp(min=1)
-
 
 @torch.no_grad()
 def ict_divergence(hidden: torch.Tensor, head_weight: torch.Tensor, mask: torch.Tensor,
@@ -675,7 +565,6 @@ def ict_divergence(hidden: torch.Tensor, head_weight: torch.Tensor, mask: torch.
         divergence[:, start:stop] = js * mask[:, start:stop]
     return divergence
 
-
 def ict(group: Group, cfg: Config) -> TokenTerms:
     """ICT (Beyond Entropy, 2026): keep each response's top positions by JS divergence."""
     keep_counts = (cfg.ict_keep_frac * group.mask.sum(1)).ceil().clamp(min=1)
@@ -684,7 +573,6 @@ def ict(group: Group, cfg: Config) -> TokenTerms:
     keep = (ranks < keep_counts[:, None]).float() * group.mask
     return TokenTerms(renormalised(keep, group.mask))
 
-
 def sorted_quantile(sorted_values: torch.Tensor, q: float) -> torch.Tensor:
     """torch.quantile's linear interpolation, on values sorted once per batch."""
     position = q * (len(sorted_values) - 1)
@@ -692,12 +580,10 @@ def sorted_quantile(sorted_values: torch.Tensor, q: float) -> torch.Tensor:
     high = min(low + 1, len(sorted_values) - 1)
     return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
 
-
 def entropy20(group: Group, cfg: Config) -> TokenTerms:
     """80/20 (Wang et al. 2025): PG only on tokens at or above the batch's 80th entropy pct."""
     threshold = sorted_quantile(group.batch_entropy, 1 - cfg.entropy_top_frac)
     return TokenTerms(group.mask * (group.entropy >= threshold))
-
 
 def stapo(group: Group, cfg: Config) -> TokenTerms:
     """STAPO (2026): silence positive-advantage tokens that are rare and low-entropy."""
@@ -706,14 +592,12 @@ def stapo(group: Group, cfg: Config) -> TokenTerms:
                 & (group.entropy < threshold))
     return TokenTerms(renormalised(group.mask * ~spurious, group.mask))
 
-
 class Method(NamedTuple):
     token_terms: Callable[[Group, Config], TokenTerms]
     description: str
     update_passes: int = 1             # lopti: a low-probability pass, then a high one
     needs_old_policy_pass: bool = False  # old log-probs and entropies of the whole batch first
     needs_divergence: bool = False     # ict's JS score, computed in that pass
-
 
 METHODS = {
     "grpo": Method(grpo, "GRPO baseline, every token weight 1"),
@@ -752,11 +636,9 @@ def token_loss(logp, old_logp, ref_logp, advantages, terms: TokenTerms, cfg: Con
         loss = loss + cfg.beta * k3(logp, ref_logp)
     return loss if terms.active is None else loss * terms.active
 
-
 def k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Schulman's k3 estimator of KL(pi || pi_ref): exp(ref - logp) - (ref - logp) - 1 >= 0."""
     return torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
-
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, n_responses: int,
               n_tokens: int) -> torch.Tensor:
@@ -764,7 +646,6 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, n_response
     if mode == "seq-mean-token-mean":
         return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / n_responses
     return (per_token * mask).sum() / n_tokens
-
 
 def micro_batch_terms(logp, old_logp, entropy, rollout: Rollout, cfg: Config,
                       update_pass: int) -> TokenTerms:
@@ -784,7 +665,6 @@ def micro_batch_terms(logp, old_logp, entropy, rollout: Rollout, cfg: Config,
         active = rollout.active if active is None else rollout.active * active
     return TokenTerms(pg_weight, extra, parts[0].clip, active)
 
-
 def micro_batch_loss(model, rollout: Rollout, cfg: Config, n_responses: int, n_tokens: int,
                      update_pass: int = 0):
     """The micro-batch's share of the step's loss, and what the metrics read: the log-probs, the
@@ -797,7 +677,6 @@ def micro_batch_loss(model, rollout: Rollout, cfg: Config, n_responses: int, n_t
     loss = aggregate(per_token, rollout.completion_mask, cfg.loss_aggregation, n_responses,
                      n_tokens)
     return loss, (logp.detach(), old_logp, entropy, terms)
-
 
 def token_metrics(logp, old_logp, ref_logp, entropy, advantages, mask, terms: TokenTerms,
                   cfg: Config) -> dict:
@@ -839,7 +718,6 @@ def policy_token_stats(model, rollout: Rollout, cfg: Config, divergence: bool = 
                 cfg.logit_chunk_elements)
     return out
 
-
 def rollout_rewards(rollout: Rollout, grades: list[Grade], cfg: Config) -> dict:
     """Sets the batch's rewards and group advantages; returns the rollout's metrics."""
     accuracy = torch.tensor([g.accuracy for g in grades])
@@ -856,7 +734,6 @@ def rollout_rewards(rollout: Rollout, grades: list[Grade], cfg: Config) -> dict:
             "truncated_frac": rollout.truncated.float().mean().item(),
             "gold_unparseable": sum(not g.gold_parsed for g in grades),
             "grading_timeouts": sum(g.timed_out for g in grades)}
-
 
 def accumulate_gradients(model, rollout: Rollout, cfg: Config, autocast, update_pass: int = 0):
     """The gradient of the step's loss into .grad, micro-batch of whole groups by micro-batch;
@@ -876,7 +753,6 @@ def accumulate_gradients(model, rollout: Rollout, cfg: Config, autocast, update_
         metrics.append(token_metrics(logp, old_logp, part.ref_logp, entropy, part.advantages,
                                      part.completion_mask, terms, cfg))
     return total_loss, metrics
-
 
 def update(model, optimizer, scheduler, rollout: Rollout, cfg: Config, autocast,
            update_pass: int = 0) -> dict:
@@ -898,7 +774,6 @@ def update(model, optimizer, scheduler, rollout: Rollout, cfg: Config, autocast,
             "touched_frac": token["touched"].mean().item(),
             "pg_active_frac": token["pg_on"].mean().item()}
 
-
 def load_model(path: str, dtype: torch.dtype, device: torch.device):
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
@@ -908,12 +783,10 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device):
                          f"--model") from None
     return model.to(device)
 
-
 def load_reference(path: str, device: torch.device):
     """The frozen KL reference model, held in bf16 on CUDA."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return load_model(path, dtype, device).eval().requires_grad_(False)
-
 
 def load_tokenizer(path: str):
     try:
@@ -923,7 +796,6 @@ def load_tokenizer(path: str):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
-
 
 def prepare_output_dir(cfg: Config) -> Path:
     output_dir = Path(cfg.output_dir)
@@ -936,49 +808,6 @@ def prepare_output_dir(cfg: Config) -> Path:
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "run_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     return output_dir
-
-
-def save_checkpoint(output_dir: Path, name: str, model, tokenizer, trainer_state=None) -> Path:
-    """Written under a temporary name and renamed at the end: a crash mid-save leaves no
-    complete-looking checkpoint."""
-    final, partial = output_dir / name, output_dir / f".{name}.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    if trainer_state is not None:
-        torch.save(trainer_state, partial / "trainer_state.pt")
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(partial, final)
-    return final
-
-
-def latest_checkpoint(output_dir: Path) -> Path | None:
-    steps = [int(p.name.split("-")[1]) for p in output_dir.glob("checkpoint-*")
-             if p.name.split("-")[1].isdigit() and (p / "trainer_state.pt").is_file()]
-    return output_dir / f"checkpoint-{max(steps)}" if steps else None
-
-
-def rng_states() -> dict:
-    states = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def set_rng_states(states: dict) -> None:
-    random.setstate(states["python"])
-    torch.set_rng_state(states["torch"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
-
-
-def keep_records_until(path: Path, rollout_step: int) -> None:
-    """On resume, drop the records of steps after the checkpoint: they are about to be redone."""
-    if path.exists():
-        kept = [line for line in path.read_text().splitlines()
-                if line and json.loads(line)["rollout_step"] <= rollout_step]
-        path.write_text("".join(line + "\n" for line in kept))
-
 
 def train(cfg: Config, on_rollout: Callable | None = None) -> Path:
     """GRPO with cfg.method's token terms. on_rollout(step, model, rollout, autocast), if given,
@@ -1065,7 +894,6 @@ def train(cfg: Config, on_rollout: Callable | None = None) -> Path:
     grader.close()
     save_checkpoint(output_dir, "final-model", model, tokenizer)
     return output_dir
-
 
 def main(argv=None) -> None:
     cfg = parse_config(argv)

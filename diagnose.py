@@ -212,7 +212,7 @@ def batch(argv: list) -> Path:
     grader = cwgrpo.Grader(cfg.reward_timeout_s, cwgrpo.reward_worker_count(cfg.reward_workers))
     with autocast():
         rollout = cwgrpo.sample(model, tokenizer, prompts.next_batch(cfg.prompts_per_step), cfg)
-        cwgrpo.rollout_rewards(rollout, grader.grade_many(
+        cwgrpo.rollout_rewards(rollout, grader.map(
             [(t, g, "default") for t, g in zip(rollout.texts, rollout.golds)]), cfg)
         if reference is not None:
             rollout.ref_logp = cwgrpo.policy_token_stats(reference, rollout, cfg)["logp"]

@@ -143,7 +143,7 @@ def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path) -> dict:
                 batch = todo[start:start + cfg.batch_size]  # similar lengths: little padding
                 torch.manual_seed(cfg.seed + batch[0])  # a problem's samples do not depend on what ran before
                 texts = cwgrpo.generate_completions(model, tokenizer, [prompts[i] for i in batch], n, generation)[-1]
-                all_grades = grader.grade_many([(text, problems[batch[k // n]][1], bench.gold_format)
+                all_grades = grader.map([(text, problems[batch[k // n]][1], bench.gold_format)
                                                 for k, text in enumerate(texts)])  # n samples per problem
                 for j, i in enumerate(batch):
                     question, gold = problems[i]

@@ -640,7 +640,7 @@ def scored_rollout(tiny_run, tiny_base):
     torch.manual_seed(0)
     prompts = cwgrpo.PromptStream(tiny.arithmetic_dataset(0), tokenizer, cfg)
     rollout = cwgrpo.sample(model, tokenizer, prompts.next_batch(4), cfg)
-    grades = Grader().grade_many([(t, g, "default") for t, g in zip(rollout.texts, rollout.golds)])
+    grades = Grader().map([(t, g, "default") for t, g in zip(rollout.texts, rollout.golds)])
     cwgrpo.rollout_rewards(rollout, grades, cfg)
     rollout.ref_logp = cwgrpo.policy_token_stats(reference, rollout, cfg)["logp"]
     return model, rollout, cfg

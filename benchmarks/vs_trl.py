@@ -52,7 +52,7 @@ def run_trl(args, base_model: Path, out: Path) -> list[float]:
 
     def reward(completions, solution, **_):  # cwgrpo's reward, as a TRL reward function
         texts = [c[0]["content"] for c in completions]
-        grades = grader.grade_many([(t, g, "default") for t, g in zip(texts, solution)])
+        grades = grader.map([(t, g, "default") for t, g in zip(texts, solution)])
         return [grade.accuracy + cwgrpo.format_reward(t) for grade, t in zip(grades, texts)]
 
     rows = tiny.arithmetic_dataset(0)

@@ -1,20 +1,28 @@
-"""A process pool in which every call has a hard wall-clock limit.
+"""runtime.py: the processes and files a training run owns, kept out of cwgrpo.py's algorithm.
+It knows nothing of cwgrpo.
 
-A call that overruns has its worker process killed and replaced, and its result is `on_timeout`.
+- TimeoutPool: a process pool in which every call has a hard wall-clock limit. A call that overruns has its worker process killed and replaced, and its result is `on_timeout`.
 Workers ignore Ctrl-C (the parent decides what to do) and exit within a second of their parent's
 death, however it dies. cwgrpo.py grades completions with it: math-verify's own timeout uses
 SIGALRM, which works only on a main thread and cannot interrupt every hang (sympy evaluating
-9^9^9^9), while killing a process always works. This module knows nothing of cwgrpo.
+9^9^9^9), while killing a process always works.
+- Checkpoints written atomically, the RNG states they hold, and metrics trimmed on resume.
 """
 
 import ctypes
+import json
 import multiprocessing
 import os
+import random
+import shutil
 import signal
 import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Callable
+
+import torch
 
 
 def _serve(fn: Callable, conn, parent_pid: int) -> None:
@@ -106,3 +114,70 @@ class TimeoutPool:
         self.threads.shutdown(wait=True, cancel_futures=True)
         for worker in self.workers:
             worker.close()
+
+
+class CachedTimeoutPool(TimeoutPool):
+    """A TimeoutPool that remembers results, for pure functions: a cache hit is not recomputed."""
+
+    def __init__(self, fn: Callable, workers: int, timeout_s: float, on_timeout: Any = None,
+                 max_cache: int = 200_000):
+        super().__init__(fn, workers, timeout_s, on_timeout)
+        self.timeout_s, self.max_cache, self.cache = timeout_s, max_cache, {}
+
+    def submit(self, calls: list[tuple]) -> Callable[[], list]:
+        """Starts the uncached calls; returns a function that waits for all the results."""
+        todo = list(dict.fromkeys(call for call in calls if call not in self.cache))
+        if len(self.cache) + len(todo) > self.max_cache:
+            self.cache.clear()
+            todo = list(dict.fromkeys(calls))
+        running = super().submit(todo)
+
+        def results() -> list:
+            self.cache.update(zip(todo, running.result()))
+            return [self.cache[call] for call in calls]
+        return results
+
+    def map(self, calls: list[tuple]) -> list:
+        return self.submit(calls)()
+
+
+def save_checkpoint(output_dir: Path, name: str, model, tokenizer, trainer_state=None) -> Path:
+    """Written under a temporary name and renamed at the end: a crash mid-save leaves no
+    complete-looking checkpoint."""
+    final, partial = output_dir / name, output_dir / f".{name}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    if trainer_state is not None:
+        torch.save(trainer_state, partial / "trainer_state.pt")
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(partial, final)
+    return final
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    steps = [int(p.name.split("-")[1]) for p in output_dir.glob("checkpoint-*")
+             if p.name.split("-")[1].isdigit() and (p / "trainer_state.pt").is_file()]
+    return output_dir / f"checkpoint-{max(steps)}" if steps else None
+
+
+def rng_states() -> dict:
+    states = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    random.setstate(states["python"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def keep_records_until(path: Path, rollout_step: int) -> None:
+    """On resume, drop the records of steps after the checkpoint: they are about to be redone."""
+    if path.exists():
+        kept = [line for line in path.read_text().splitlines()
+                if line and json.loads(line)["rollout_step"] <= rollout_step]
+        path.write_text("".join(line + "\n" for line in kept))

@@ -1,0 +1,65 @@
+"""lm_head.py: log-probs and entropies through the LM head without holding vocab x length logits.
+
+cwgrpo.py's log-probs (section 5) come from here. At Qwen's vocabulary (151,936) a 4,096-token
+completion has 622M logits, 2.5 GB in float32, and backward needs as much again; computing them
+chunk of positions by chunk, and recomputing each chunk in backward, keeps two chunks alive at
+most. This module knows nothing of cwgrpo.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def scaled_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    """float32 logits divided by the sampling temperature: the distribution that was sampled."""
+    return F.linear(hidden, weight).float().div_(temperature)
+
+
+class ChunkedLogProbs(torch.autograd.Function):
+    """log p(target) and the entropy at each position from hidden states and the LM head, chunk by
+    chunk of positions. Backward recomputes each chunk's softmax and turns it into the logits'
+    gradient in place, so at most about two (chunk, vocab) float32 blocks are alive at once,
+    whatever the vocabulary and length, and no logits are kept between the passes."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, hidden, weight, targets, temperature, width):
+        logp = torch.empty(hidden.shape[0], device=hidden.device)
+        entropy = torch.empty_like(logp)
+        for start in range(0, hidden.shape[0], width):
+            chunk = slice(start, start + width)
+            logp_all = scaled_logits(hidden[chunk], weight, temperature).log_softmax(-1)
+            logp[chunk] = logp_all.gather(-1, targets[chunk, None]).squeeze(-1)
+            entropy[chunk] = -logp_all.exp().mul_(logp_all).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.temperature, ctx.width = temperature, width
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, targets = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        for start in range(0, hidden.shape[0], ctx.width):
+            chunk = slice(start, start + ctx.width)
+            grad_logits = scaled_logits(hidden[chunk], weight, ctx.temperature).softmax(-1)
+            g = grad_logp[chunk, None]
+            # d logp / d logits = (onehot - p) / T
+            grad_logits.mul_(-g).scatter_add_(1, targets[chunk, None], g).div_(ctx.temperature)
+            if grad_hidden is not None:
+                grad_hidden[chunk] = grad_logits.to(hidden.dtype) @ weight.to(hidden.dtype)
+            if grad_weight is not None:
+                grad_weight += (grad_logits.T.to(hidden.dtype) @ hidden[chunk]).float()
+        grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None
+
+
+def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                     temperature: float, chunk_elements: int):
+    """(positions,) log-probs of `targets` and entropies, never more than chunk_elements logits
+    at once."""
+    width = max(1, chunk_elements // weight.shape[0])
+    return ChunkedLogProbs.apply(hidden, weight, targets, temperature, width)
