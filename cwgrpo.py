@@ -16,7 +16,6 @@ Sections: 1 config, 2 data and prompts, 3 reward, 4 sampling, 5 log-probs, 6 gro
 import argparse
 import dataclasses
 import json
-import logging
 import os
 import random
 import shutil
@@ -35,8 +34,9 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, HfArgumentParser
 
 from lm_head import chunked_logprobs, scaled_logits
-from runtime import (CachedTimeoutPool, keep_records_until, latest_checkpoint, rng_states,
-                     save_checkpoint, set_rng_states)
+from runtime import (CachedTimeoutPool, LogCounter, RunLock, StopRequest, keep_records_until,
+                     latest_checkpoint, resume_command, rng_states, save_checkpoint,
+                     set_rng_states)
 
 # 1. Config --------------------------------------------------------------------------------------
 
@@ -78,7 +78,10 @@ class Config:
         "whole groups per forward/backward pass (gradient accumulation does the rest)")
     max_prompt_length: int = arg(512,
         "prompts longer than this many tokens are skipped (and counted)")
-    max_completion_length: int = arg(4096, "generation limit in new tokens")
+    max_completion_length: int = arg(4096, "generation limit in tokens; see --length-limit")
+    length_limit: Literal["total", "new"] = arg("total",
+        "total: prompt + completion at most --max-completion-length tokens (the released recipe's "
+        "vLLM max model length); new: that many new tokens after each prompt")
     temperature: float = arg(0.7, "sampling temperature; the log-probs divide the logits by it too")
     top_p: float = arg(1.0, "nucleus sampling; 1.0 is off (paper)")
     top_k: int = arg(0, "top-k sampling; 0 is off (paper)")
@@ -101,6 +104,9 @@ class Config:
         "cw: weights of mean 1 over padded positions (released code) or over real tokens")
     cw_detach: bool = arg(False,
         "cw: no gradient through the weights (the released code lets it flow)")
+    cw_reading: Literal["released", "paper"] = arg("released",
+        "cw: released (the code's --cw-norm padded, weights not detached) or paper (the text's "
+        "most natural reading: --cw-norm valid --cw-detach); overrides both flags")
     clip_cov_ratio: float = arg(2e-4, "clip_cov: share of valid tokens whose loss is zeroed")
     clip_cov_lb: float = arg(1.0, "clip_cov: candidates have covariance above this")
     clip_cov_ub: float = arg(5.0, "clip_cov: candidates have covariance below this")
@@ -140,12 +146,20 @@ class Config:
         "start afresh in an --output-dir that already holds a run")
 
     def __post_init__(self):
+        """Every option is checked here, at parse time, before any slow work."""
         if self.method not in METHODS:
             raise SystemExit(f"error: unknown --method {self.method!r}; choose from "
                              f"{', '.join(METHODS)}")
-        if self.group_size < 2:
-            raise SystemExit(f"error: --group-size must be at least 2 (group advantages need two "
-                             f"samples); got {self.group_size}")
+        for name, (low, high, why) in OPTION_RANGES.items():
+            value = getattr(self, name)
+            if (low is not None and value < low) or (high is not None and value > high) or \
+                    (why in ("> 0", "in (0, 1]") and value <= 0):
+                raise SystemExit(f"error: --{name.replace('_', '-')} must be {why}; got {value}")
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            raise SystemExit(f"error: --clip-cov-lb ({self.clip_cov_lb}) must be below "
+                             f"--clip-cov-ub ({self.clip_cov_ub})")
+        if self.cw_reading == "paper":
+            self.cw_norm, self.cw_detach = "valid", True
         self.groups_per_micro_batch = min(self.groups_per_micro_batch, self.prompts_per_step)
         if self.prompts_per_step % self.groups_per_micro_batch:
             raise SystemExit(f"error: --prompts-per-step ({self.prompts_per_step}) must be a "
@@ -153,14 +167,32 @@ class Config:
         if not self.output_dir:
             self.output_dir = f"runs/{self.method}-{self.preset}-seed{self.seed}"
 
+
+# name: (lowest, highest, the rule in words); None is unbounded
+OPTION_RANGES = {
+    "group_size": (2, None, ">= 2 (group advantages need two samples)"),
+    **{name: (None, None, "> 0") for name in (
+        "prompts_per_step", "groups_per_micro_batch", "max_prompt_length", "max_completion_length",
+        "temperature", "reward_timeout_s", "learning_rate", "max_grad_norm", "steps", "save_every",
+        "num_iterations", "logit_chunk_elements")},
+    **{name: (0, None, ">= 0") for name in (
+        "top_k", "reward_workers", "beta", "eps_low", "eps_high", "weight_decay", "kl_cov_coef",
+        "accuracy_weight", "format_weight", "seed", "stapo_max_prob")},
+    **{name: (0, 1, "in (0, 1]") for name in (
+        "top_p", "clip_cov_ratio", "kl_cov_ratio", "ict_keep_frac", "entropy_top_frac",
+        "lopti_eta", "ar_lopti_eta")},
+    **{name: (0, 1, "in [0, 1]") for name in (
+        "min_lr_ratio", "warmup_ratio", "ar_alpha", "ar_lopti_alpha")},
+    "stapo_entropy_percentile": (0, 100, "in [0, 100]"),
+}
+
 PRESETS = {
     "paper-1.5b": {},  # the Config defaults are this recipe
-    "paper-7b": dict(model="Qwen/Qwen2.5-Math-7B-Instruct", format_weight=0.0, steps=150,
-                     # Qwen2.5-Math-7B has 4,096 positions: prompt + completion must fit in them
-                     max_completion_length=3584),
+    # Qwen2.5-Math-7B has 4,096 positions: prompt + completion fit in them with --length-limit total
+    "paper-7b": dict(model="Qwen/Qwen2.5-Math-7B-Instruct", format_weight=0.0, steps=150),
     "tiny": dict(model="runs/tiny-base/model", dataset="runs/tiny-base/arithmetic.jsonl",
                  system_prompt="", group_size=8, prompts_per_step=8, groups_per_micro_batch=8,
-                 max_prompt_length=64, max_completion_length=40, temperature=1.0,
+                 max_prompt_length=64, max_completion_length=40, length_limit="new", temperature=1.0,
                  learning_rate=5e-4, warmup_ratio=0.05, steps=150, save_every=50, seed=0,
                  gradient_checkpointing=False),
 }
@@ -201,25 +233,42 @@ LOCAL_DATA_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", 
 
 def load_dataset(name: str, split: str, question_column: str, gold_column: str):
     """A hub dataset or a local file, checked to have the question and gold columns."""
-    path = Path(name)
+    path, local = Path(name), Path(name).suffix in LOCAL_DATA_FORMATS
+    if local:
+        check_local_data(path)
     try:
-        if path.suffix in LOCAL_DATA_FORMATS:
-            if not path.is_file():
-                raise SystemExit(f"error: dataset file {name} does not exist")
-            dataset = datasets.load_dataset(LOCAL_DATA_FORMATS[path.suffix], data_files=str(path),
-                                            split="train")
-        else:
-            dataset = datasets.load_dataset(name, split=split)
+        dataset = datasets.load_dataset(LOCAL_DATA_FORMATS[path.suffix], data_files=str(path),
+                                        split="train") if local else \
+            datasets.load_dataset(name, split=split)
     except (ConnectionError, OSError, ValueError, datasets.exceptions.DatasetNotFoundError) as e:
-        raise SystemExit(f"error: cannot load dataset '{name}' (split '{split}'): {first_line(e)}. "
-                         f"Check the name, or download it while online (it is then read from the "
-                         f"cache), or pass a local .json/.jsonl/.parquet/.csv file") from None
+        hint = "fix the file" if local else ("check the name, or download it while online (it "
+                                             "is then read from the cache), or pass a local "
+                                             ".json/.jsonl/.parquet/.csv file")
+        raise SystemExit(f"error: cannot load dataset '{name}' (split '{split}'): "
+                         f"{first_line(e)}; {hint}") from None
+    if len(dataset) == 0:
+        raise SystemExit(f"error: dataset '{name}' has no rows; give a file with some")
     missing = [c for c in (question_column, gold_column) if c not in dataset.column_names]
     if missing:
         raise SystemExit(f"error: dataset '{name}' has no column {', '.join(map(repr, missing))}; "
                          f"columns found: {', '.join(dataset.column_names)}. "
                          f"Set --question-column and --gold-column")
     return dataset
+
+def check_local_data(path: Path) -> None:
+    """A local data file exists, has rows, and (.jsonl) holds valid JSON on every line."""
+    if not path.is_file():
+        raise SystemExit(f"error: dataset file {path} does not exist")
+    if path.stat().st_size == 0:
+        raise SystemExit(f"error: dataset file {path} is empty; give a file with some rows")
+    if path.suffix == ".jsonl":
+        with path.open() as lines:
+            for number, line in enumerate(lines, 1):
+                try:
+                    line.strip() and json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise SystemExit(f"error: {path} line {number} is not valid JSON ({e.msg}); "
+                                     f"fix or remove that line") from None
 
 def first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
@@ -280,7 +329,8 @@ def grade_accuracy(completion: str, gold: str, gold_format: str = "default") -> 
     """1.0 if math-verify finds the completion's answer equal to the gold, checked gold first
     (verify is not symmetric). gold_format "default" is math-verify's default extraction, the
     training reward's; evaluate.py's benchmarks parse their gold as "expr" or "latex"."""
-    gold_parsed = parse(gold, extraction_config=GOLD_EXTRACTION[gold_format])
+    gold_parsed = parse(gold, extraction_mode="first_match",  # as the released reward
+                        extraction_config=GOLD_EXTRACTION[gold_format])
     if not gold_parsed:
         return Grade(0.0, False, False)
     prediction = parse(completion, extraction_mode="first_match",
@@ -302,12 +352,15 @@ class Grader(CachedTimeoutPool):
         return self.map([(completion, gold, gold_format)])[0]
 
 def grade_in_worker(completion: str, gold: str, gold_format: str) -> Grade:
-    """grade_accuracy inside a grading worker: any failure inside the grader is a wrong answer."""
-    logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # its warnings, one per hang
+    """grade_accuracy inside a grading worker. math-verify's own cutoffs (5 s per parse or
+    comparison) score 0 as ours do, and count as cutoffs too; any failure is a wrong answer."""
+    cutoffs = LogCounter.installed("math_verify", "Timeout during")
+    before = cutoffs.count
     try:
-        return grade_accuracy(completion, gold, gold_format)
+        grade = grade_accuracy(completion, gold, gold_format)
     except Exception:  # noqa: BLE001
-        return Grade(0.0, True, False)
+        grade = Grade(0.0, True, False)
+    return grade._replace(timed_out=True) if cutoffs.count > before else grade
 
 def reward_worker_count(requested: int) -> int:
     return requested or min(8, os.cpu_count() or 1)
@@ -360,14 +413,12 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 @torch.no_grad()
 def sample(model, tokenizer, batch: list[tuple[list[int], str]], cfg: Config) -> Rollout:
     """G completions per prompt with plain temperature sampling (top-p/top-k only where set)."""
-    generation = GenerationConfig(
-        do_sample=True, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-        max_new_tokens=cfg.max_completion_length, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=eos_token_ids(model, tokenizer))
     model.eval()
+    total = cfg.max_completion_length if cfg.length_limit == "total" else None
     prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts = \
         generate_completions(model, tokenizer, [ids for ids, _ in batch], cfg.group_size,
-                             generation)
+                             cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_completion_length,
+                             total)
     golds = [gold for _, gold in batch for _ in range(cfg.group_size)]
     if cfg.mask_truncated_completions:  # out of the loss, not out of the reward
         completion_mask = completion_mask * (~truncated)[:, None]
@@ -375,32 +426,51 @@ def sample(model, tokenizer, batch: list[tuple[list[int], str]], cfg: Config) ->
                    golds)
 
 @torch.no_grad()
-def generate_completions(model, tokenizer, prompts: list[list[int]], n: int,
-                         generation: GenerationConfig):
+def generate_completions(model, tokenizer, prompts: list[list[int]], n: int, temperature: float,
+                         top_p: float, top_k: int, max_new_tokens: int, max_total: int | None):
     """n completions of each prompt, the prompts left-padded into one batch: the prompt ids and
-    mask, the completion ids, mask and truncation flags, and the decoded texts."""
+    mask, the completion ids, mask and truncation flags, and the decoded texts. With max_total,
+    each prompt + completion holds at most max_total tokens (as vLLM's max model length)."""
     device = next(model.parameters()).device
     width, pad = max(map(len, prompts)), tokenizer.pad_token_id
     prompt_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
     prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
                                device=device)
     prompt_ids, prompt_mask = prompt_ids.repeat_interleave(n, 0), prompt_mask.repeat_interleave(n, 0)
-    output = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
-                            generation_config=generation)
+    limits = torch.full((len(prompt_ids),), max_new_tokens, device=device) if max_total is None \
+        else max_total - prompt_mask.sum(1)
+    eos = eos_token_ids(model, tokenizer)
+    # generate() fills every field left unset from the model's own generation_config.json
+    # (repetition_penalty, top_k, suppress_tokens...): sample from a bare one, so the tokens come
+    # from exactly the distribution whose log-probs the loss uses
+    shipped, model.generation_config = model.generation_config, GenerationConfig()
+    try:
+        output = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
+                                generation_config=GenerationConfig(
+                                    do_sample=True, temperature=temperature, top_p=top_p,
+                                    top_k=top_k, max_new_tokens=int(limits.max()),
+                                    pad_token_id=pad, eos_token_id=eos))
+    finally:
+        model.generation_config = shipped
     completion_ids = output[:, width:]
-    completion_mask, truncated = completion_mask_after_eos(completion_ids, generation.eos_token_id)
+    completion_mask, truncated = completion_mask_after_eos(completion_ids, eos, limits)
     lengths = completion_mask.sum(1).long().tolist()
     texts = tokenizer.batch_decode([ids[:k] for ids, k in zip(completion_ids, lengths)],
                                    skip_special_tokens=True)
     return prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts
 
-def completion_mask_after_eos(completion_ids: torch.Tensor, eos: list[int]):
-    """1 for every token up to and including the first EOS, 0 after; and which rows have no EOS."""
-    is_eos = torch.isin(completion_ids, torch.tensor(eos, device=completion_ids.device))
-    truncated = ~is_eos.any(1)
-    first_eos = torch.where(truncated, completion_ids.shape[1], is_eos.int().argmax(1))
+def completion_mask_after_eos(completion_ids: torch.Tensor, eos: list[int],
+                              limits: torch.Tensor | None = None):
+    """1 for every token up to and including the first EOS within each row's limit, 0 after; and
+    which rows have no EOS within it (truncated)."""
     positions = torch.arange(completion_ids.shape[1], device=completion_ids.device)
-    return (positions[None, :] <= first_eos[:, None]).float(), truncated
+    limits = torch.full((len(completion_ids),), completion_ids.shape[1],
+                        device=completion_ids.device) if limits is None else limits
+    is_eos = torch.isin(completion_ids, torch.tensor(eos, device=completion_ids.device)) \
+        & (positions[None, :] < limits[:, None])
+    truncated = ~is_eos.any(1)
+    last = torch.where(truncated, limits - 1, is_eos.int().argmax(1))
+    return (positions[None, :] <= last[:, None]).float(), truncated
 
 
 # 5. Log-probs and entropy, chunked over positions -----------------------------------------------
@@ -469,7 +539,7 @@ def cw_weights(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *,
     """CW-GRPO's Gaussian-kernel weights of one group (Wang et al. 2026, the method section;
     math.md "cw", steps 1-8)."""
     score = covariance_score(logp, adv, mask)                              # 1-3.
-    n_valid = mask.sum()
+    n_valid = mask.sum().clamp(min=1)  # a group with no valid token gets weights 0, not NaN
     score_mean = score.sum() / n_valid
     variance = ((score - score_mean) ** 2 * mask).sum() / n_valid          # 4. ddof=0
     # sqrt'(0) is infinite: when every score is 0 (equal rewards) sigma = 1e-8 with zero gradient
@@ -481,7 +551,7 @@ def cw_weights(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *,
         total = n_valid
     else:
         raise ValueError(f"cw_weights: norm must be 'padded' or 'valid', got {norm!r}")
-    weights = kernel * total / kernel.sum()
+    weights = kernel * total / kernel.sum().clamp(min=1e-30)
     return weights.detach() if detach else weights                         # 7.
 
 def cw(group: Group, cfg: Config) -> TokenTerms:
@@ -491,7 +561,7 @@ def cw(group: Group, cfg: Config) -> TokenTerms:
 def token_covariance(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Cui et al.'s C = (logp - mean logp) (A - mean A), means over the valid tokens (math.md)."""
     logp, adv = logp.detach(), adv[:, None].expand_as(logp)
-    n_valid = mask.sum()
+    n_valid = mask.sum().clamp(min=1)
     return (logp - (logp * mask).sum() / n_valid) * (adv - (adv * mask).sum() / n_valid) * mask
 
 def ppo_clipped(ratio: torch.Tensor, adv: torch.Tensor, cfg: Config) -> torch.Tensor:
@@ -575,6 +645,8 @@ def ict(group: Group, cfg: Config) -> TokenTerms:
 
 def sorted_quantile(sorted_values: torch.Tensor, q: float) -> torch.Tensor:
     """torch.quantile's linear interpolation, on values sorted once per batch."""
+    if len(sorted_values) == 0:  # a batch with no valid token: no token passes any threshold
+        return torch.tensor(torch.inf)
     position = q * (len(sorted_values) - 1)
     low = int(position)
     high = min(low + 1, len(sorted_values) - 1)
@@ -764,6 +836,8 @@ def update(model, optimizer, scheduler, rollout: Rollout, cfg: Config, autocast,
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     token = {name: torch.cat([m[name] for m in metrics]) for name in metrics[0]}
+    if not len(token["w"]):  # every completion masked (--mask-truncated-completions): a 0 step
+        token = {name: torch.zeros(1) for name in token}
     w = token["w"]
     return {"loss": loss, "grad_norm": grad_norm.item(), "lr": lr,
             "entropy_mean": token["entropy"].mean().item(), "kl_mean": token["kl"].mean().item(),
@@ -797,15 +871,35 @@ def load_tokenizer(path: str):
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
+def check_paths(cfg: Config) -> None:
+    """The model, the output folder and the checkpoint to resume from exist as asked, or one line
+    says what is wrong, before anything slow starts."""
+    output_dir = Path(cfg.output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise SystemExit(f"error: --output-dir {output_dir} is a file; choose a folder")
+    model = cfg.model
+    if not Path(model).exists() and (model.startswith((".", "/", "~")) or model.count("/") > 1):
+        build = " (build it with: python tiny.py)" if cfg.preset == "tiny" else ""
+        raise SystemExit(f"error: --model {model}: no such folder{build}")
+    if cfg.resume and latest_checkpoint(output_dir) is None:
+        raise SystemExit(f"error: --resume, but {output_dir} holds no complete checkpoint; "
+                         f"drop --resume to start afresh")
+    if cfg.length_limit == "total" and cfg.max_prompt_length >= cfg.max_completion_length:
+        raise SystemExit(f"error: --max-prompt-length ({cfg.max_prompt_length}) leaves no room "
+                         f"for a completion within --max-completion-length "
+                         f"({cfg.max_completion_length}) under --length-limit total")
+
 def prepare_output_dir(cfg: Config) -> Path:
+    """Called holding the folder's lock."""
     output_dir = Path(cfg.output_dir)
     if (output_dir / "metrics.jsonl").exists() and not cfg.resume:
         if not cfg.overwrite_output_dir:
             raise SystemExit(f"error: {output_dir} already holds a run; pass --resume to continue "
                              f"it, --overwrite-output-dir to start afresh, or choose another "
                              f"--output-dir")
-        shutil.rmtree(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
+        for entry in output_dir.iterdir():
+            if entry.name != ".lock":
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
     (output_dir / "run_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     return output_dir
 
@@ -813,16 +907,23 @@ def train(cfg: Config, on_rollout: Callable | None = None) -> Path:
     """GRPO with cfg.method's token terms. on_rollout(step, model, rollout, autocast), if given,
     sees each scored rollout batch before the update (diagnose.py uses it)."""
     device = resolve_device(cfg)
+    check_paths(cfg)
+    dataset = load_dataset(cfg.dataset, cfg.dataset_split, cfg.question_column, cfg.gold_column)
+    with RunLock(Path(cfg.output_dir)), StopRequest() as stop:
+        return run(cfg, device, dataset, on_rollout, stop)
+
+def run(cfg: Config, device: torch.device, dataset, on_rollout: Callable | None,
+        stop: StopRequest) -> Path:
+    """The loop of train(), inside the output folder's lock."""
     output_dir = prepare_output_dir(cfg)
     transformers.utils.logging.disable_progress_bar()
     resume_from = latest_checkpoint(output_dir) if cfg.resume else None
     tokenizer = load_tokenizer(str(resume_from or cfg.model))
+    prompts = PromptStream(dataset, tokenizer, cfg)
     model = load_model(str(resume_from or cfg.model), torch.float32, device)  # fp32 masters
     reference = load_reference(cfg.model, device) if cfg.beta > 0 else None
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    prompts = PromptStream(load_dataset(cfg.dataset, cfg.dataset_split, cfg.question_column,
-                                        cfg.gold_column), tokenizer, cfg)
     if prompts.skipped:
         print(f"skipped {prompts.skipped} prompts longer than --max-prompt-length "
               f"{cfg.max_prompt_length}")
@@ -887,17 +988,25 @@ def train(cfg: Config, on_rollout: Callable | None = None) -> Path:
                 f.write(json.dumps(record) + "\n")
         progress.set_postfix(reward=f"{record['reward_mean']:.3f}",
                              entropy=f"{record['entropy_mean']:.3f}")
-        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps or stop.requested:
             save_checkpoint(output_dir, f"checkpoint-{step + 1}", model, tokenizer, {
                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "rng": rng_states(), "step": step + 1, "data_position": prompts.position})
+        if stop.requested:
+            grader.close()
+            raise SystemExit(f"stopped after step {step + 1} (saved checkpoint-{step + 1}); "
+                             f"resume with: {resume_command()}")
     grader.close()
     save_checkpoint(output_dir, "final-model", model, tokenizer)
     return output_dir
 
 def main(argv=None) -> None:
     cfg = parse_config(argv)
-    output_dir = train(cfg)
+    try:
+        output_dir = train(cfg)
+    except KeyboardInterrupt:
+        raise SystemExit(f"interrupted: the step under way is lost; resume from the last "
+                         f"checkpoint with: {resume_command()}") from None
     print(f"done: metrics in {output_dir / 'metrics.jsonl'}, model in "
           f"{output_dir / 'final-model'}")
 

@@ -9,7 +9,7 @@ token terms, then cwgrpo's PPO-clip term; verl adds its own KL loss (use_kl_loss
 its agg_loss. Registered names:
 
 - cw: CW-GRPO (cwgrpo's cw_weights; released code's padded normalisation, weights not detached).
-- cw_valid, cw_detach, cw_valid_detach: the other readings of SPEC cw steps 6 and 7.
+- cw_valid, cw_detach, cw_valid_detach: the other readings of docs/math.md's cw steps 6 and 7.
 - ar: advantage reweighting (Yang et al. 2025), alpha 0.2.
 - cwgrpo_clip_cov, cwgrpo_kl_cov: cwgrpo's clip_cov and kl_cov, beside verl's own clip_cov and kl_cov.
 

@@ -5,11 +5,12 @@
     python evaluate.py --model PATH --benchmarks my.jsonl --question-column q --gold-column a
     python evaluate.py --checkpoints "runs/x/checkpoint-*"      # the checkpoint-stability table
 
-Benchmarks, prompt and sampling follow SPEC "Evaluation protocol"; grading is cwgrpo.py's math-verify
+Benchmarks, prompt and sampling follow docs/math.md, "Evaluation"; grading is cwgrpo.py's math-verify
 reward, with the gold parsed as an expression or as LaTeX per benchmark.
 """
 
 import glob
+import hashlib
 import json
 import math
 import re
@@ -20,7 +21,7 @@ from typing import Literal, NamedTuple
 
 import torch
 from tqdm import tqdm
-from transformers import GenerationConfig, HfArgumentParser
+from transformers import HfArgumentParser
 
 import cwgrpo
 import plots
@@ -34,7 +35,7 @@ class Benchmark(NamedTuple):
     gold_format: str   # how math-verify parses the gold: "expr" or "latex"
 
 
-# SPEC "Evaluation protocol": hub id, split, question field, gold field, gold parsing
+# docs/math.md, "Evaluation": hub id, split, question field, gold field, gold parsing
 BENCHMARKS = {
     "aime24": Benchmark("HuggingFaceH4/aime_2024", "train", "problem", "answer", "expr"),
     "math500": Benchmark("HuggingFaceH4/MATH-500", "test", "problem", "solution", "latex"),
@@ -45,13 +46,13 @@ BENCHMARKS = {
 TABLE_NAMES = {"aime24": "AIME24", "math500": "MATH-500", "amc23": "AMC23", "minerva": "Minerva",
                "olympiadbench": "OlympiadBench"}
 
-# SPEC "Evaluation protocol": user prompt, no system prompt
+# docs/math.md, "Evaluation": user prompt, no system prompt
 EVAL_PROMPT = ("Solve the following math problem efficiently and clearly.  The last line of your response should be "
                "of the following format: 'Therefore, the final answer is: $\\boxed{{ANSWER}}$. I hope it is correct' "
                "(without quotes) where ANSWER is just the final number or expression that solves the problem. Think "
                "step by step before answering.\n\n{question}")
 
-# SPEC "Published numbers" (pass@1, single sample)
+# the CW-GRPO paper's tables (pass@1, single sample)
 PUBLISHED = [
     ("1.5B base (quoted from elsewhere, avg@16)", [28.8, 82.8, 62.9, 26.5, 43.3, 48.9]),
     ("1.5B GRPO", [33.3, 85.0, 67.5, 27.2, 49.9, 52.6]),
@@ -69,20 +70,20 @@ class EvalConfig:
     checkpoints: str = field(default="", metadata={
         "help": "a glob of checkpoint folders (e.g. 'runs/x/checkpoint-*') for the checkpoint-stability table"})
     benchmarks: str = field(default="aime24,math500,amc23,minerva,olympiadbench", metadata={
-        "help": "comma-separated: names from SPEC (aime24, math500, amc23, minerva, olympiadbench) or local "
+        "help": "comma-separated: names (aime24, math500, amc23, minerva, olympiadbench) or local "
                 ".json/.jsonl/.parquet files"})
     question_column: str = field(default="problem", metadata={"help": "question column of local files"})
     gold_column: str = field(default="answer", metadata={"help": "gold column of local files"})
     gold_format: Literal["expr", "latex", "default"] = field(default="latex", metadata={
         "help": "how the gold of local files is parsed: expr (plain numbers), latex, or default (both)"})
     prompt_template: str = field(default=EVAL_PROMPT, metadata={
-        "help": "user message, with {question} where the problem goes (default: SPEC's evaluation prompt; "
+        "help": "user message, with {question} where the problem goes (default: the paper's evaluation prompt; "
                 "'{question}' for the tiny preset's models)"})
     protocol: Literal["robust", "paper"] = field(default="robust", metadata={
         "help": "paper: 1 sample per problem with a fixed seed, as in the paper; robust: --n samples, avg@n"})
     n: int = field(default=8, metadata={"help": "samples per problem under the robust protocol"})
-    temperature: float = field(default=0.6, metadata={"help": "sampling temperature (SPEC: 0.6)"})
-    top_p: float = field(default=0.95, metadata={"help": "nucleus sampling (SPEC: 0.95)"})
+    temperature: float = field(default=0.6, metadata={"help": "sampling temperature (the paper: 0.6)"})
+    top_p: float = field(default=0.95, metadata={"help": "nucleus sampling (the paper: 0.95)"})
     max_new_tokens: int = field(default=4096, metadata={"help": "generation limit in tokens"})
     batch_size: int = field(default=16, metadata={"help": "problems per generate call (each with n samples)"})
     limit: int = field(default=0, metadata={"help": "evaluate only the first N problems of each benchmark"})
@@ -91,12 +92,14 @@ class EvalConfig:
     reward_workers: int = field(default=0, metadata={
         "help": "processes grading in parallel; 0 is one per CPU core, at most 8"})
     device: str = field(default="auto", metadata={"help": "auto (cuda if present), cuda or cpu"})
+    overwrite: bool = field(default=False, metadata={
+        "help": "recompute benchmarks whose saved samples were made with other settings"})
     output_dir: str = field(default="", metadata={
         "help": "results.json, results.md and per-benchmark progress (default eval/<model folder name>)"})
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k of n samples with c correct (SPEC): 1 - prod(1 - k / arange(n - c + 1, n + 1))."""
+    """Unbiased pass@k of n samples with c correct (docs/math.md): 1 - prod(1 - k / arange(n - c + 1, n + 1))."""
     if n - c < k:
         return 1.0
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
@@ -126,15 +129,16 @@ def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path) -> dict:
     tokenizer = cwgrpo.load_tokenizer(model_path)
     model = cwgrpo.load_model(model_path, torch.bfloat16 if device.type == "cuda" else torch.float32, device).eval()
     grader = cwgrpo.Grader(cfg.reward_timeout_s, cwgrpo.reward_worker_count(cfg.reward_workers))
-    generation = GenerationConfig(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=0,
-                                  max_new_tokens=cfg.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                                  eos_token_id=cwgrpo.eos_token_ids(model, tokenizer))
     results = {}
     for name, bench, problems in benchmarks:
         progress_path = output_dir / f"{name}.jsonl"
-        done = {}
-        if progress_path.exists():
-            done = {r["index"]: r for r in map(json.loads, progress_path.read_text().splitlines())}
+        settings = {"model": str(Path(model_path).resolve()) if Path(model_path).exists()
+                    else model_path, "weights": weights_fingerprint(model_path),
+                    "benchmark": bench._asdict(), "prompt_template": cfg.prompt_template,
+                    "protocol": cfg.protocol, "n": n, "temperature": cfg.temperature,
+                    "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed,
+                    "limit": cfg.limit}
+        done = finished_problems(progress_path, settings, cfg.overwrite)
         prompts = [cwgrpo.chat_prompt_ids(tokenizer, cfg.prompt_template.replace("{question}", q), "")
                    for q, _ in problems]
         todo = sorted((i for i in range(len(problems)) if i not in done), key=lambda i: len(prompts[i]))
@@ -142,7 +146,9 @@ def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path) -> dict:
             for start in range(0, len(todo), cfg.batch_size):
                 batch = todo[start:start + cfg.batch_size]  # similar lengths: little padding
                 torch.manual_seed(cfg.seed + batch[0])  # a problem's samples do not depend on what ran before
-                texts = cwgrpo.generate_completions(model, tokenizer, [prompts[i] for i in batch], n, generation)[-1]
+                texts = cwgrpo.generate_completions(
+                    model, tokenizer, [prompts[i] for i in batch], n, cfg.temperature, cfg.top_p,
+                    0, cfg.max_new_tokens, None)[-1]
                 all_grades = grader.map([(text, problems[batch[k // n]][1], bench.gold_format)
                                                 for k, text in enumerate(texts)])  # n samples per problem
                 for j, i in enumerate(batch):
@@ -158,6 +164,38 @@ def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path) -> dict:
                 bar.update(len(batch))
         results[name] = summarise([done[i] for i in range(len(problems))], n)
     return results
+
+
+def finished_problems(progress_path: Path, settings: dict, overwrite: bool) -> dict:
+    """The problems a previous run of the same settings finished, by index. The file's first line
+    records the settings it was made with; a file made with any other is never reused."""
+    if progress_path.exists() and not overwrite:
+        lines = progress_path.read_text().splitlines()
+        made_with = json.loads(lines[0]).get("settings") if lines else None
+        if made_with != settings:
+            differ = [k for k in settings if (made_with or {}).get(k) != settings[k]]
+            raise SystemExit(f"error: {progress_path} holds samples made with other settings "
+                             f"({', '.join(differ) or 'none recorded'} differ); pass --overwrite "
+                             f"to recompute them, or choose another --output-dir")
+        return {r["index"]: r for r in map(json.loads, lines[1:])}
+    progress_path.write_text(json.dumps({"settings": settings}) + "\n")
+    return {}
+
+
+def weights_fingerprint(model_path: str) -> str:
+    """An identity of the weights: a hash of each weight file's name, size and first and last
+    MiB (local folders), or the hub id."""
+    folder = Path(model_path)
+    if not folder.is_dir():
+        return model_path
+    digest = hashlib.sha256()
+    for path in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(2**20)
+            f.seek(max(0, size - 2**20))
+            digest.update(f"{path.name}:{size}:".encode() + head + f.read())
+    return digest.hexdigest()
 
 
 def last_boxed(text: str) -> str:
@@ -250,7 +288,9 @@ def main(argv=None) -> None:
         raise SystemExit("error: --device cuda but no CUDA GPU was found; use --device cpu")
     cwgrpo.transformers.utils.logging.disable_progress_bar()
     source = cfg.model or cfg.checkpoints
-    output_dir = Path(cfg.output_dir or f"eval/{Path(source.rstrip('/*')).name or 'model'}")
+    # the whole path, not its last name: every run's final-model would share eval/final-model
+    default = re.sub(r"[^\w.-]+", "-", source.rstrip("/*").lstrip("./")).strip("-") or "model"
+    output_dir = Path(cfg.output_dir or f"eval/{default}")
     if cfg.checkpoints:
         evaluate_checkpoints(cfg, output_dir)
         print(f"done: {output_dir / 'checkpoints.md'}")

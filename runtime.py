@@ -10,10 +10,13 @@ SIGALRM, which works only on a main thread and cannot interrupt every hang (symp
 """
 
 import ctypes
+import fcntl
 import json
+import logging
 import multiprocessing
 import os
 import random
+import shlex
 import shutil
 import signal
 import sys
@@ -181,3 +184,81 @@ def keep_records_until(path: Path, rollout_step: int) -> None:
         kept = [line for line in path.read_text().splitlines()
                 if line and json.loads(line)["rollout_step"] <= rollout_step]
         path.write_text("".join(line + "\n" for line in kept))
+
+
+class RunLock:
+    """An exclusive lock on a run's output folder, held while the run lives. flock is released by
+    the kernel when its holder dies, even by kill -9, so a dead run never blocks --resume."""
+
+    def __init__(self, folder: Path):
+        self.path = Path(folder) / ".lock"
+
+    def __enter__(self) -> "RunLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = self.path.open("a+")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.seek(0)
+            holder = self.file.read().strip() or "unknown"
+            self.file.close()
+            raise SystemExit(f"error: {self.path.parent} is in use by a live run (pid {holder}); "
+                             f"wait for it or stop it, or choose another --output-dir") from None
+        self.file.truncate(0)
+        self.file.write(str(os.getpid()))
+        self.file.flush()
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.file.close()  # releases the lock
+
+
+class StopRequest:
+    """The first Ctrl-C asks the loop to stop after the current step (and checkpoint); a second
+    one interrupts at once. Outside the main thread it does nothing."""
+
+    def __enter__(self) -> "StopRequest":
+        self.requested, self.previous = False, None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, self.handle)
+        return self
+
+    def handle(self, *_) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\nCtrl-C: stopping after this step, with a checkpoint (Ctrl-C again: at once)",
+              file=sys.stderr, flush=True)
+
+    def __exit__(self, *_) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+
+def resume_command() -> str:
+    """The command line that continues this run: the same arguments, with --resume."""
+    kept = [a for a in sys.argv[1:] if a not in ("--resume", "--overwrite-output-dir")]
+    return "python " + shlex.join([Path(sys.argv[0]).name, *kept, "--resume"])
+
+
+class LogCounter(logging.Handler):
+    """Counts a logger's records that start with a prefix (a library's "Timeout during ..."
+    warnings, say), and keeps that logger quiet."""
+
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix, self.count = prefix, 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += record.getMessage().startswith(self.prefix)
+
+    @classmethod
+    def installed(cls, logger_name: str, prefix: str) -> "LogCounter":
+        logger = logging.getLogger(logger_name)
+        found = [h for h in logger.handlers if isinstance(h, cls) and h.prefix == prefix]
+        if not found:
+            found = [cls(prefix)]
+            logger.addHandler(found[0])
+            logger.setLevel(logging.WARNING)
+            logger.propagate = False
+        return found[0]

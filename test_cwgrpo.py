@@ -279,7 +279,7 @@ def test_unknown_method_and_small_group_are_rejected():
     out = run_cli("--method", "nope")
     assert out.returncode == 1 and "unknown --method 'nope'; choose from grpo, cw" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
-    with pytest.raises(SystemExit, match="group-size must be at least 2"):
+    with pytest.raises(SystemExit, match="group-size must be >= 2"):
         cwgrpo.parse_config(["--preset", "tiny", "--group-size", "1"])
 
 
@@ -296,6 +296,56 @@ def test_model_not_found_offline_fails_clearly(tmp_path):
         cwgrpo.load_model("no-such-org/no-such-model", torch.float32, torch.device("cpu"))
     with pytest.raises(SystemExit, match="cannot load dataset 'no-such-org/no-such-data'"):
         cwgrpo.load_dataset("no-such-org/no-such-data", "train", "problem", "solution")
+
+
+# ----------------------------------------------------------------- bad input: one line, before work
+
+@pytest.mark.parametrize("option,value,rule", [
+    ("--learning-rate", "-1e-6", "> 0"), ("--learning-rate", "0", "> 0"), ("--steps", "0", "> 0"),
+    ("--temperature", "0", "> 0"), ("--top-p", "1.5", "in (0, 1]"), ("--beta", "-0.1", ">= 0"),
+    ("--warmup-ratio", "2", "in [0, 1]"), ("--save-every", "0", "> 0"),
+    ("--reward-timeout-s", "0", "> 0"), ("--lopti-eta", "0", "in (0, 1]"),
+])
+def test_numeric_options_out_of_range_are_refused_at_parse_time(option, value, rule):
+    with pytest.raises(SystemExit) as refused:
+        cwgrpo.parse_config(["--preset", "tiny", f"{option}={value}"])
+    prefix = f"error: {option} must be {rule}; got "
+    assert str(refused.value).startswith(prefix)
+    assert float(str(refused.value)[len(prefix):]) == float(value)
+
+
+def test_bad_option_value_from_the_command_line_is_one_line():
+    out = run_cli("--preset", "tiny", "--learning-rate", "-1")
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.strip() == "error: --learning-rate must be > 0; got -1.0"
+
+
+def test_bad_paths_and_data_stop_before_any_model_is_loaded(tmp_path, tiny_args, monkeypatch):
+    def no_loading(*_, **__):
+        raise AssertionError("a model was loaded before the input was checked")
+    monkeypatch.setattr(cwgrpo, "load_model", no_loading)
+    monkeypatch.setattr(cwgrpo, "load_tokenizer", no_loading)
+
+    def refused(*args):
+        with pytest.raises(SystemExit) as error:
+            cwgrpo.train(cwgrpo.parse_config([*tiny_args, "--output-dir", str(tmp_path / "r"),
+                                              *args]))
+        assert "\n" not in str(error.value)
+        return str(error.value)
+    (tmp_path / "file").write_text("")
+    assert refused("--output-dir", str(tmp_path / "file")) == \
+        f"error: --output-dir {tmp_path / 'file'} is a file; choose a folder"
+    assert "holds no complete checkpoint; drop --resume" in refused("--resume")
+    assert refused("--model", str(tmp_path / "no" / "model")) == \
+        f"error: --model {tmp_path / 'no' / 'model'}: no such folder (build it with: python tiny.py)"
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert refused("--dataset", str(empty)) == \
+        f"error: dataset file {empty} is empty; give a file with some rows"
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"problem": "1+1", "solution": "2"}\n\n{"problem": "2+2", "solution"\n')
+    message = refused("--dataset", str(broken))
+    assert message.startswith(f"error: {broken} line 3 is not valid JSON") and "online" not in message
 
 
 # ------------------------------------------------------------------------------------ end to end

@@ -107,7 +107,7 @@ def test_kl_cov_agrees_with_verls_kl_cov_and_the_default_ratio_differs():
                       config=config) for name in ("kl_cov", "cwgrpo_kl_cov")]
     torch.testing.assert_close(our_loss, verl_loss)
     torch.testing.assert_close(our_grad, verl_grad)
-    # a deliberate difference: verl's default kl_cov_ratio is 2e-4, SPEC's (Cui et al.'s) 2e-3
+    # a deliberate difference: verl's default kl_cov_ratio is 2e-4, Cui et al.'s 2e-3
     n_valid = int(mask.sum())
     _, _, ours = loss_and_grad(core_algos.get_policy_loss_fn("cwgrpo_kl_cov"), logp, advantages, mask, old=old,
                                loss_agg_mode="token-mean", config=verl_config())
