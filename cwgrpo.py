@@ -872,12 +872,9 @@ def load_tokenizer(path: str):
     return tokenizer
 
 def check_paths(cfg: Config) -> None:
-    """The model, the output folder and the checkpoint to resume from exist as asked, or one line
-    says what is wrong, before anything slow starts."""
-    output_dir = Path(cfg.output_dir)
-    if output_dir.exists() and not output_dir.is_dir():
-        raise SystemExit(f"error: --output-dir {output_dir} is a file; choose a folder")
-    model = cfg.model
+    """The model and the checkpoint to resume from exist as asked, or one line says what is
+    wrong, before anything slow starts."""
+    output_dir, model = Path(cfg.output_dir), cfg.model
     if not Path(model).exists() and (model.startswith((".", "/", "~")) or model.count("/") > 1):
         build = " (build it with: python tiny.py)" if cfg.preset == "tiny" else ""
         raise SystemExit(f"error: --model {model}: no such folder{build}")
@@ -907,9 +904,10 @@ def train(cfg: Config, on_rollout: Callable | None = None) -> Path:
     """GRPO with cfg.method's token terms. on_rollout(step, model, rollout, autocast), if given,
     sees each scored rollout batch before the update (diagnose.py uses it)."""
     device = resolve_device(cfg)
-    check_paths(cfg)
-    dataset = load_dataset(cfg.dataset, cfg.dataset_split, cfg.question_column, cfg.gold_column)
-    with RunLock(Path(cfg.output_dir)), StopRequest() as stop:
+    with RunLock(Path(cfg.output_dir)), StopRequest() as stop:  # a live run's folder: stop here
+        check_paths(cfg)
+        dataset = load_dataset(cfg.dataset, cfg.dataset_split, cfg.question_column,
+                               cfg.gold_column)
         return run(cfg, device, dataset, on_rollout, stop)
 
 def run(cfg: Config, device: torch.device, dataset, on_rollout: Callable | None,

@@ -194,6 +194,8 @@ class RunLock:
         self.path = Path(folder) / ".lock"
 
     def __enter__(self) -> "RunLock":
+        if self.path.parent.exists() and not self.path.parent.is_dir():
+            raise SystemExit(f"error: --output-dir {self.path.parent} is a file; choose a folder")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.file = self.path.open("a+")
         try:

@@ -744,3 +744,209 @@ def test_diagnose_command_and_training_diagnostics(tiny_run, tiny_base, tmp_path
     diagnose.train([*TINY_RUN, "--output-dir", str(run), "--every", "2"])
     assert [json.loads(line)["rollout_step"] for line in (run / "diagnostics.jsonl").read_text().splitlines()] == [2, 4]
     assert read_metrics(run / "metrics.jsonl") == read_metrics(tiny_run / "metrics.jsonl")
+
+
+# ------------------------------------------------------------------------------ the loss, by hand
+
+def loss_of(logp, old, ref, adv, weight, cfg_args=(), **terms):
+    cfg = method_cfg(*cfg_args)
+    return cwgrpo.token_loss(logp, old, ref, adv, cwgrpo.TokenTerms(weight, **terms), cfg)
+
+
+def test_pg_term_without_clipping_is_minus_ratio_times_advantage():
+    logp, old = torch.tensor([[math.log(0.5)]]), torch.tensor([[math.log(0.4)]])  # ratio 1.25
+    for adv, expected in ((2.0, -2.5), (-2.0, 2.5)):
+        loss = loss_of(logp, old, None, torch.tensor([adv]), torch.ones(1, 1), clip=False)
+        assert loss.item() == pytest.approx(expected)
+
+
+def test_ppo_clipping_holds_the_ratio_within_the_range_on_the_side_of_the_advantage():
+    logp, old = torch.tensor([[math.log(0.5)]]), torch.tensor([[math.log(0.4)]])  # ratio 1.25
+    # A > 0: min(1.25 A, 1.2 A) = 1.2 A, and no gradient flows through the clipped ratio
+    logp_grad = logp.clone().requires_grad_(True)
+    loss = loss_of(logp_grad, old, None, torch.tensor([2.0]), torch.ones(1, 1))
+    assert loss.item() == pytest.approx(-2.4)
+    loss.sum().backward()
+    assert logp_grad.grad.item() == 0
+    # A < 0: min(-1.25 |A|, -1.2 |A|) = -1.25 |A|, unclipped
+    assert loss_of(logp, old, None, torch.tensor([-2.0]), torch.ones(1, 1)).item() == \
+        pytest.approx(2.5)
+
+
+def test_k3_kl_and_weights_on_the_pg_term_only():
+    logp, ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]])
+    k3 = [math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 1.0 - 1]  # exp(r - l) - (r - l) - 1
+    # on-policy: ratio 1, pg = -A; w = (3, 0) scales pg only, beta 0.04 scales the KL
+    loss = loss_of(logp, logp.clone(), ref, torch.tensor([1.5]), torch.tensor([[3.0, 0.0]]))
+    expected = [3 * -1.5 + 0.04 * k3[0], 0 * -1.5 + 0.04 * k3[1]]
+    torch.testing.assert_close(loss, torch.tensor([expected]))
+
+
+def test_both_aggregations_by_hand():
+    per_token = torch.tensor([[1.0, 3.0, 9.0], [2.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    # seq-mean-token-mean: mean of (1 + 3) / 2 and 2 / 1 = 2; token-mean: (1 + 3 + 2) / 3 = 2
+    # with the step's totals larger than the micro-batch's: 4 responses, 6 tokens
+    assert cwgrpo.aggregate(per_token, mask, "seq-mean-token-mean", 4, 6).item() == 1.0
+    assert cwgrpo.aggregate(per_token, mask, "token-mean", 4, 6).item() == 1.0
+    assert cwgrpo.aggregate(per_token, mask, "token-mean", 2, 3).item() == 2.0
+
+
+@pytest.mark.parametrize("method", sorted(cwgrpo.METHODS))
+def test_every_method_gives_a_finite_loss_and_gradient_with_a_group_of_no_valid_tokens(method):
+    """--mask-truncated-completions can leave a whole group without a token."""
+    G, T = 4, 6
+    logp = (-torch.rand(2 * G, T, generator=torch.Generator().manual_seed(0))).requires_grad_(True)
+    mask = torch.ones(2 * G, T)
+    mask[G:] = 0  # the second group has no valid token
+    rollout = cwgrpo.Rollout(
+        prompt_ids=torch.zeros(2 * G, 1, dtype=torch.long), prompt_mask=torch.ones(2 * G, 1),
+        completion_ids=torch.zeros(2 * G, T, dtype=torch.long), completion_mask=mask,
+        truncated=torch.zeros(2 * G, dtype=torch.bool), texts=[""] * 2 * G, golds=[""] * 2 * G,
+        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5] * 2), divergence=torch.rand(2 * G, T) * mask,
+        batch_entropy=torch.rand(G * T).sort().values, ref_logp=logp.detach() - 0.1)
+    cfg = method_cfg("--method", method, "--group-size", str(G))
+    old = logp.detach() * mask
+    terms = cwgrpo.micro_batch_terms(logp, old, torch.rand(2 * G, T), rollout, cfg, 0)
+    per_token = cwgrpo.token_loss(logp, old, rollout.ref_logp, rollout.advantages, terms, cfg)
+    loss = cwgrpo.aggregate(per_token, mask, cfg.loss_aggregation, 2 * G, int(mask.sum()))
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+    assert (logp.grad[G:] == 0).all()  # the empty group contributes nothing
+    assert torch.isfinite(terms.pg_weight).all()
+
+
+# ----------------------------------------------------------------------- sampling as configured
+
+def test_sampling_ignores_the_generation_config_the_model_ships(tiny_base):
+    """A model's generation_config.json (Qwen2.5 Instruct ships repetition_penalty, top_k, top_p)
+    must not change what is sampled: the loss assumes plain temperature sampling."""
+    model = cwgrpo.load_model(str(tiny_base / "model"), torch.float32, torch.device("cpu"))
+    tokenizer = cwgrpo.load_tokenizer(str(tiny_base / "model"))
+    prompts = [cwgrpo.chat_prompt_ids(tokenizer, q, "") for q in ("1+2", "7+8")]
+
+    def completions():
+        torch.manual_seed(0)
+        return cwgrpo.generate_completions(model, tokenizer, prompts, 4, 1.0, 1.0, 0, 12, None)[2]
+    plain = completions()
+    shipped = model.generation_config
+    shipped.repetition_penalty, shipped.top_k, shipped.top_p = 5.0, 1, 0.5
+    shipped.no_repeat_ngram_size = 1
+    shipped.suppress_tokens = list(range(48, 58))  # the digits
+    assert torch.equal(completions(), plain)
+    assert model.generation_config.suppress_tokens == list(range(48, 58))  # left as shipped
+
+
+def test_total_length_limit_caps_prompt_plus_completion(tiny_base):
+    model = cwgrpo.load_model(str(tiny_base / "model"), torch.float32, torch.device("cpu"))
+    tokenizer = cwgrpo.load_tokenizer(str(tiny_base / "model"))
+    prompts = [cwgrpo.chat_prompt_ids(tokenizer, q, "") for q in ("1+2", "1+2" * 4)]
+    torch.manual_seed(0)
+    _, prompt_mask, _, mask, truncated, texts = cwgrpo.generate_completions(
+        model, tokenizer, prompts, 3, 1.0, 1.0, 0, 40, len(prompts[1]) + 6)
+    totals = prompt_mask.sum(1) + mask.sum(1)
+    assert (totals <= len(prompts[1]) + 6).all()
+    assert truncated[3:].all() and (mask[3:].sum(1) == 6).all()  # the long prompt: 6 tokens left
+    assert (mask[:3].sum(1) > 6).any()  # the short one had room for more
+
+
+def test_math_verify_cutoffs_are_counted():
+    counter = cwgrpo.LogCounter.installed("math_verify", "Timeout during")
+    before = counter.count
+    import logging
+    logging.getLogger("math_verify.parser").warning("Timeout during parsing: 9^9^9")
+    logging.getLogger("math_verify.grader").warning("Timeout during comparison")
+    logging.getLogger("math_verify.grader").warning("something else")
+    assert counter.count == before + 2
+
+
+# ------------------------------------------------------------------------- runs and processes
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        found += [int(p) for p in (task / "children").read_text().split()]
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+def test_live_run_locks_its_folder_and_kill_9_frees_it_and_its_workers(tmp_path, tiny_args):
+    out = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, str(HERE / "cwgrpo.py"), *tiny_args, "--steps",
+                              "500", "--reward-workers", "2", "--output-dir", str(out)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not (out / "metrics.jsonl").exists() and time.time() < deadline:
+        time.sleep(0.5)
+    workers = children_of(first.pid)
+    assert len(workers) >= 2
+    second = run_cli(*tiny_args, "--output-dir", str(out), "--resume")
+    assert second.returncode != 0 and "Traceback" not in second.stderr
+    assert second.stderr.strip().splitlines() == [
+        f"error: {out} is in use by a live run (pid {first.pid}); wait for it or stop it, or "
+        f"choose another --output-dir"]
+    first.kill()
+    first.wait()
+    deadline = time.time() + 5
+    while any(alive(w) for w in workers) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(w) for w in workers)  # the grading workers died with their parent
+    shutil.rmtree(out / "checkpoint-50", ignore_errors=True)
+    (out / "metrics.jsonl").write_text("")
+    resumed = run_cli(*tiny_args, "--output-dir", str(out), "--overwrite-output-dir", "--steps", "1")
+    assert resumed.returncode == 0, resumed.stderr  # the dead run's lock does not block
+
+
+@pytest.mark.slow
+def test_ctrl_c_checkpoints_the_step_and_prints_the_resume_command(tmp_path, tiny_args):
+    out = tmp_path / "run"
+    run = subprocess.Popen([sys.executable, str(HERE / "cwgrpo.py"), *tiny_args, "--steps", "500",
+                            "--output-dir", str(out)], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (out / "metrics.jsonl").exists() and time.time() < deadline:
+        time.sleep(0.2)
+    run.send_signal(2)  # SIGINT, as Ctrl-C
+    _, stderr = run.communicate(timeout=120)
+    assert run.returncode != 0 and "Traceback" not in stderr
+    steps = len((out / "metrics.jsonl").read_text().splitlines())
+    assert (out / f"checkpoint-{steps}" / "trainer_state.pt").is_file()
+    assert f"stopped after step {steps} (saved checkpoint-{steps}); resume with: python " \
+        f"cwgrpo.py" in stderr and stderr.rstrip().endswith("--resume")
+
+
+# ------------------------------------------------------------------------ evaluation resumption
+
+def test_evaluation_never_reuses_samples_made_with_other_settings(tiny_run, tmp_path):
+    bench = tmp_path / "arith.jsonl"
+    bench.write_text("".join(json.dumps({"problem": f"{a}+{a}", "answer": str(2 * a)}) + "\n"
+                             for a in range(3)))
+    out = tmp_path / "eval"
+    args = ["--model", str(tiny_run / "final-model"), "--benchmarks", str(bench), "--gold-format",
+            "expr", "--n", "2", "--max-new-tokens", "8", "--output-dir", str(out)]
+    evaluate.main(args)
+    with pytest.raises(SystemExit, match=r"made with other settings \(n differ\); pass --overwrite"):
+        evaluate.main([*args, "--n", "4"])
+    with pytest.raises(SystemExit, match=r"\(model, weights differ\)"):
+        evaluate.main([*args[2:], "--model", str(tiny_run / "checkpoint-2")])
+    evaluate.main([*args, "--n", "4", "--overwrite"])
+    results = json.loads((out / "results.json").read_text())["benchmarks"]["arith"]
+    assert results["samples_per_problem"] == 4
+    assert all(len(p["completions"]) == 4 for p in results["per_problem"])
+
+
+def test_default_evaluation_folders_differ_for_models_of_the_same_name(tiny_run, monkeypatch):
+    seen = []
+    monkeypatch.setattr(evaluate, "evaluate_model", lambda path, cfg, out: seen.append(out) or {})
+    monkeypatch.setattr(evaluate, "write_results", lambda *_: None)
+    monkeypatch.setattr(Path, "read_text", lambda *_: "")
+    for model in ("runs/a/final-model", "runs/b/final-model"):
+        evaluate.main(["--model", model])
+    assert seen == [Path("eval/runs-a-final-model"), Path("eval/runs-b-final-model")]
