@@ -882,18 +882,20 @@ def test_live_run_locks_its_folder_and_kill_9_frees_it_and_its_workers(tmp_path,
     first = subprocess.Popen([sys.executable, str(HERE / "cwgrpo.py"), *tiny_args, "--steps",
                               "500", "--reward-workers", "2", "--output-dir", str(out)],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while not (out / "metrics.jsonl").exists() and time.time() < deadline:
-        time.sleep(0.5)
-    workers = children_of(first.pid)
-    assert len(workers) >= 2
-    second = run_cli(*tiny_args, "--output-dir", str(out), "--resume")
-    assert second.returncode != 0 and "Traceback" not in second.stderr
-    assert second.stderr.strip().splitlines() == [
-        f"error: {out} is in use by a live run (pid {first.pid}); wait for it or stop it, or "
-        f"choose another --output-dir"]
-    first.kill()
-    first.wait()
+    try:
+        deadline = time.time() + 120
+        while not (out / "metrics.jsonl").exists() and time.time() < deadline:
+            time.sleep(0.5)
+        workers = children_of(first.pid)
+        assert len(workers) >= 2
+        second = run_cli(*tiny_args, "--output-dir", str(out), "--resume")
+        assert second.returncode != 0 and "Traceback" not in second.stderr
+        assert second.stderr.strip().splitlines() == [
+            f"error: {out} is in use by a live run (pid {first.pid}); wait for it or stop it, or "
+            f"choose another --output-dir"]
+    finally:
+        first.kill()
+        first.wait()
     deadline = time.time() + 5
     while any(alive(w) for w in workers) and time.time() < deadline:
         time.sleep(0.2)
@@ -910,11 +912,14 @@ def test_ctrl_c_checkpoints_the_step_and_prints_the_resume_command(tmp_path, tin
     run = subprocess.Popen([sys.executable, str(HERE / "cwgrpo.py"), *tiny_args, "--steps", "500",
                             "--output-dir", str(out)], stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while not (out / "metrics.jsonl").exists() and time.time() < deadline:
-        time.sleep(0.2)
-    run.send_signal(2)  # SIGINT, as Ctrl-C
-    _, stderr = run.communicate(timeout=120)
+    try:
+        deadline = time.time() + 120
+        while not (out / "metrics.jsonl").exists() and time.time() < deadline:
+            time.sleep(0.2)
+        run.send_signal(2)  # SIGINT, as Ctrl-C
+        _, stderr = run.communicate(timeout=120)
+    finally:
+        run.kill()
     assert run.returncode != 0 and "Traceback" not in stderr
     steps = len((out / "metrics.jsonl").read_text().splitlines())
     assert (out / f"checkpoint-{steps}" / "trainer_state.pt").is_file()
