@@ -405,6 +405,14 @@ class Rollout:
                 out[name] = out[name][:, :completion_len]
         return Rollout(**out)
 
+    def micro_batches(self, cfg: "Config"):
+        """(block, part) for each micro-batch of whole groups: the part's rows with padding
+        columns trimmed, and the (rows, columns) block of this batch's (N, T) tensors it fills."""
+        rows = cfg.groups_per_micro_batch * cfg.group_size
+        for start in range(0, len(self.texts), rows):
+            part = self.select(start, start + rows)
+            yield (slice(start, start + rows), slice(0, part.completion_ids.shape[1])), part
+
 def eos_token_ids(model, tokenizer) -> list[int]:
     ids = model.generation_config.eos_token_id
     ids = [ids] if isinstance(ids, int) else list(ids or [])
@@ -774,14 +782,10 @@ def policy_token_stats(model, rollout: Rollout, cfg: Config, divergence: bool = 
     """(N, T) log-probs and entropies of the batch's tokens under `model` (the rollout policy or
     the reference), micro-batch by micro-batch, without gradient; and ict's divergence on
     request. 0 on padding."""
-    rows_per_micro_batch = cfg.groups_per_micro_batch * cfg.group_size
     names = ["logp", "entropy"] + ["divergence"] * divergence
     out = {name: torch.zeros_like(rollout.completion_mask) for name in names}
     head = model.get_output_embeddings().weight
-    for start in range(0, len(rollout.texts), rows_per_micro_batch):
-        part = rollout.select(start, start + rows_per_micro_batch)
-        block = (slice(start, start + rows_per_micro_batch),
-                 slice(0, part.completion_ids.shape[1]))
+    for block, part in rollout.micro_batches(cfg):
         out["logp"][block], out["entropy"][block], hidden = completion_logprobs(model, part, cfg)
         for g in range(0, len(part.texts) if divergence else 0, cfg.group_size):
             group = slice(g, g + cfg.group_size)
@@ -813,10 +817,8 @@ def accumulate_gradients(model, rollout: Rollout, cfg: Config, autocast, update_
     model.train()
     n_responses = len(rollout.texts)
     n_tokens = int(rollout.completion_mask.sum().clamp(min=1))
-    rows_per_micro_batch = cfg.groups_per_micro_batch * cfg.group_size
     total_loss, metrics = 0.0, []
-    for start in range(0, n_responses, rows_per_micro_batch):
-        part = rollout.select(start, start + rows_per_micro_batch)
+    for _, part in rollout.micro_batches(cfg):
         with autocast():
             loss, (logp, old_logp, entropy, terms) = micro_batch_loss(
                 model, part, cfg, n_responses, n_tokens, update_pass)

@@ -77,10 +77,7 @@ def logp_and_squared_mass(model, rollout: cwgrpo.Rollout, cfg: cwgrpo.Config):
     logp, squared_mass = (torch.zeros_like(rollout.completion_mask) for _ in range(2))
     head = model.get_output_embeddings().weight
     width = max(1, cfg.logit_chunk_elements // head.shape[0])
-    rows = cfg.groups_per_micro_batch * cfg.group_size
-    for start in range(0, len(rollout.texts), rows):
-        part = rollout.select(start, start + rows)
-        block = (slice(start, start + rows), slice(0, part.completion_ids.shape[1]))
+    for block, part in rollout.micro_batches(cfg):
         logp[block], _, hidden = cwgrpo.completion_logprobs(model, part, cfg)
         hidden = hidden[part.completion_mask.bool()]
         squared_mass[block][part.completion_mask.bool()] = torch.cat([

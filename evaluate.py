@@ -280,6 +280,12 @@ def evaluate_checkpoints(cfg: EvalConfig, output_dir: Path) -> None:
     plots.plot_checkpoints(output_dir / "checkpoints.png", table, TABLE_NAMES)
 
 
+def default_output_dir(source: str) -> Path:
+    """eval/<the whole path or hub id>: not its last name, which every run's final-model shares."""
+    return Path("eval") / (re.sub(r"[^\w.-]+", "-", source.rstrip("/*").lstrip("./")).strip("-")
+                           or "model")
+
+
 def main(argv=None) -> None:
     (cfg,) = HfArgumentParser(EvalConfig, description=__doc__.split("\n\n")[0]).parse_args_into_dataclasses(argv)
     if bool(cfg.model) == bool(cfg.checkpoints):
@@ -288,9 +294,7 @@ def main(argv=None) -> None:
         raise SystemExit("error: --device cuda but no CUDA GPU was found; use --device cpu")
     cwgrpo.transformers.utils.logging.disable_progress_bar()
     source = cfg.model or cfg.checkpoints
-    # the whole path, not its last name: every run's final-model would share eval/final-model
-    default = re.sub(r"[^\w.-]+", "-", source.rstrip("/*").lstrip("./")).strip("-") or "model"
-    output_dir = Path(cfg.output_dir or f"eval/{default}")
+    output_dir = Path(cfg.output_dir or default_output_dir(source))
     if cfg.checkpoints:
         evaluate_checkpoints(cfg, output_dir)
         print(f"done: {output_dir / 'checkpoints.md'}")

@@ -125,7 +125,7 @@ class CachedTimeoutPool(TimeoutPool):
     def __init__(self, fn: Callable, workers: int, timeout_s: float, on_timeout: Any = None,
                  max_cache: int = 200_000):
         super().__init__(fn, workers, timeout_s, on_timeout)
-        self.timeout_s, self.max_cache, self.cache = timeout_s, max_cache, {}
+        self.max_cache, self.cache = max_cache, {}
 
     def submit(self, calls: list[tuple]) -> Callable[[], list]:
         """Starts the uncached calls; returns a function that waits for all the results."""

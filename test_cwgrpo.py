@@ -947,11 +947,10 @@ def test_evaluation_never_reuses_samples_made_with_other_settings(tiny_run, tmp_
     assert all(len(p["completions"]) == 4 for p in results["per_problem"])
 
 
-def test_default_evaluation_folders_differ_for_models_of_the_same_name(tiny_run, monkeypatch):
-    seen = []
-    monkeypatch.setattr(evaluate, "evaluate_model", lambda path, cfg, out: seen.append(out) or {})
-    monkeypatch.setattr(evaluate, "write_results", lambda *_: None)
-    monkeypatch.setattr(Path, "read_text", lambda *_: "")
-    for model in ("runs/a/final-model", "runs/b/final-model"):
-        evaluate.main(["--model", model])
-    assert seen == [Path("eval/runs-a-final-model"), Path("eval/runs-b-final-model")]
+def test_default_evaluation_folders_differ_for_models_of_the_same_name():
+    folders = [evaluate.default_output_dir(m) for m in (
+        "runs/a/final-model", "runs/b/final-model", "./runs/a/final-model/", "/tmp/a/final-model",
+        "Qwen/Qwen2.5-Math-7B-Instruct", "runs/x/checkpoint-*")]
+    assert folders == [Path("eval/runs-a-final-model"), Path("eval/runs-b-final-model"),
+                       Path("eval/runs-a-final-model"), Path("eval/tmp-a-final-model"),
+                       Path("eval/Qwen-Qwen2.5-Math-7B-Instruct"), Path("eval/runs-x-checkpoint")]
