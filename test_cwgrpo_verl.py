@@ -7,24 +7,27 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
+from omegaconf import OmegaConf  # noqa: E402
+from verl.utils.config import omega_conf_to_dataclass  # noqa: E402
 import cwgrpo  # noqa: E402
 import cwgrpo_verl  # noqa: E402
 
 HERE = Path(__file__).parent
 
 
-def verl_config(**policy_loss) -> SimpleNamespace:
-    """The attributes of verl's ActorConfig that policy losses read."""
-    settings = {"clip_cov_ratio": None, "clip_cov_lb": None, "clip_cov_ub": None, "kl_cov_ratio": None,
-                "ppo_kl_coef": None, **policy_loss}
-    return SimpleNamespace(clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=None,
-                           policy_loss=SimpleNamespace(**settings), global_batch_info={})
+def verl_config(**policy_loss):
+    """verl's own actor config, built as verl builds it from its YAML: through OmegaConf into
+    FSDPActorConfig, so every setting a loss reads has verl's real default unless given here."""
+    return omega_conf_to_dataclass(OmegaConf.create({
+        "_target_": "verl.workers.config.FSDPActorConfig", "strategy": "fsdp",
+        "ppo_mini_batch_size": 12, "ppo_micro_batch_size_per_gpu": 12, "use_dynamic_bsz": False,
+        "rollout_n": 12, "policy_loss": {"_target_": "verl.workers.config.PolicyLossConfig",
+                                         **policy_loss}}))
 
 
 def tensors(seed: int, rows: int = 6, length: int = 40):
@@ -66,8 +69,11 @@ def test_registered_loss_equals_cwgrpos_loss_path(name, mode):
     method, overrides = cwgrpo_verl.VERL_METHODS[name]
     torch.manual_seed(1)
     verl_loss, verl_grad, metrics = loss_and_grad(core_algos.get_policy_loss_fn(name), logp, advantages, mask, old=old,
-                                                  loss_agg_mode=mode, config=verl_config())
+                                                  loss_agg_mode=mode, config=verl_config(
+                                                      kl_cov_ratio=0.002, ppo_kl_coef=1.0))
     assert "actor/cwgrpo_w_mean" in metrics
+    # with Cui et al.'s kl_cov settings set in verl's config, as the README's command does, the
+    # registered loss is cwgrpo's with its own defaults
 
     cfg = cwgrpo.dataclasses.replace(cwgrpo.Config(), beta=0.0, loss_aggregation=mode, **overrides)
     ours = logp.clone().requires_grad_(True)
@@ -107,18 +113,19 @@ def test_kl_cov_agrees_with_verls_kl_cov_and_the_default_ratio_differs():
                       config=config) for name in ("kl_cov", "cwgrpo_kl_cov")]
     torch.testing.assert_close(our_loss, verl_loss)
     torch.testing.assert_close(our_grad, verl_grad)
-    # a deliberate difference: verl's default kl_cov_ratio is 2e-4, Cui et al.'s 2e-3
+    # verl's config always fills kl_cov_ratio and ppo_kl_coef (2e-4 and 0.1), and cwgrpo_kl_cov
+    # follows them, as the README says; Cui et al.'s 2e-3 and 1 must be set, as its command does
     n_valid = int(mask.sum())
-    _, _, ours = loss_and_grad(core_algos.get_policy_loss_fn("cwgrpo_kl_cov"), logp, advantages, mask, old=old,
-                               loss_agg_mode="token-mean", config=verl_config())
-    assert ours["actor/cwgrpo_touched_frac"] * n_valid == pytest.approx(max(1, int(2e-3 * n_valid)))
-    verl_default = core_algos.get_policy_loss_fn("kl_cov")
-    penalised = []
-    for ratio in (None, 2e-4):
-        loss, _, _ = loss_and_grad(verl_default, logp, advantages, mask, old=old, loss_agg_mode="token-mean",
-                                   config=verl_config(kl_cov_ratio=ratio))
-        penalised.append(loss)
-    assert penalised[0] == penalised[1]  # None means 2e-4 in verl
+    defaults = verl_config()
+    assert (defaults.policy_loss.kl_cov_ratio, defaults.policy_loss.ppo_kl_coef) == (2e-4, 0.1)
+    for settings, ratio in (({}, 2e-4), ({"kl_cov_ratio": 0.002, "ppo_kl_coef": 1.0}, 2e-3)):
+        config = verl_config(**settings)
+        results = [loss_and_grad(core_algos.get_policy_loss_fn(name), logp, advantages, mask,
+                                 old=old, loss_agg_mode="token-mean", config=config)
+                   for name in ("kl_cov", "cwgrpo_kl_cov")]
+        torch.testing.assert_close(results[1][0], results[0][0])
+        penalised = results[1][2]["actor/cwgrpo_touched_frac"] * n_valid
+        assert penalised == pytest.approx(max(1, int(ratio * n_valid)))
 
 
 def test_converter_and_reward_in_verls_formats(tmp_path):
