@@ -25,15 +25,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal, NamedTuple
 
-import datasets
 import torch
 import transformers
 from latex2sympy2_extended import NormalizationConfig
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, HfArgumentParser
+from transformers import GenerationConfig, HfArgumentParser
 
-from lm_head import chunked_logprobs, scaled_logits
+from lm_head import chunked_logprobs, ict_divergence
+from loading import load_dataset, load_model, load_reference, load_tokenizer
+import plots
 from runtime import (CachedTimeoutPool, LogCounter, RunLock, StopRequest, keep_records_until,
                      latest_checkpoint, resume_command, rng_states, save_checkpoint,
                      set_rng_states)
@@ -228,50 +229,6 @@ def bf16_autocast(device: torch.device):
 
 
 # 2. Data and prompts ----------------------------------------------------------------------------
-
-LOCAL_DATA_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
-
-def load_dataset(name: str, split: str, question_column: str, gold_column: str):
-    """A hub dataset or a local file, checked to have the question and gold columns."""
-    path, local = Path(name), Path(name).suffix in LOCAL_DATA_FORMATS
-    if local:
-        check_local_data(path)
-    try:
-        dataset = datasets.load_dataset(LOCAL_DATA_FORMATS[path.suffix], data_files=str(path),
-                                        split="train") if local else \
-            datasets.load_dataset(name, split=split)
-    except (ConnectionError, OSError, ValueError, datasets.exceptions.DatasetNotFoundError) as e:
-        hint = "fix the file" if local else ("check the name, or download it while online (it "
-                                             "is then read from the cache), or pass a local "
-                                             ".json/.jsonl/.parquet/.csv file")
-        raise SystemExit(f"error: cannot load dataset '{name}' (split '{split}'): "
-                         f"{first_line(e)}; {hint}") from None
-    if len(dataset) == 0:
-        raise SystemExit(f"error: dataset '{name}' has no rows; give a file with some")
-    missing = [c for c in (question_column, gold_column) if c not in dataset.column_names]
-    if missing:
-        raise SystemExit(f"error: dataset '{name}' has no column {', '.join(map(repr, missing))}; "
-                         f"columns found: {', '.join(dataset.column_names)}. "
-                         f"Set --question-column and --gold-column")
-    return dataset
-
-def check_local_data(path: Path) -> None:
-    """A local data file exists, has rows, and (.jsonl) holds valid JSON on every line."""
-    if not path.is_file():
-        raise SystemExit(f"error: dataset file {path} does not exist")
-    if path.stat().st_size == 0:
-        raise SystemExit(f"error: dataset file {path} is empty; give a file with some rows")
-    if path.suffix == ".jsonl":
-        with path.open() as lines:
-            for number, line in enumerate(lines, 1):
-                try:
-                    line.strip() and json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise SystemExit(f"error: {path} line {number} is not valid JSON ({e.msg}); "
-                                     f"fix or remove that line") from None
-
-def first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 def chat_prompt_ids(tokenizer, question: str, system_prompt: str) -> list[int]:
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
@@ -624,25 +581,6 @@ def renormalised(keep: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Weights that make a response's token mean of the PG term run over its kept tokens only."""
     return keep * mask.sum(1, keepdim=True) / keep.sum(1, keepdim=True).clamp(min=1)
 
-@torch.no_grad()
-def ict_divergence(hidden: torch.Tensor, head_weight: torch.Tensor, mask: torch.Tensor,
-                   temperature: float, chunk_elements: int) -> torch.Tensor:
-    """ICT's u[i,t] = JS(p[i,t] || pbar[t]) in nats, pbar the mean next-token distribution of the
-    group's responses still running at t. Streams over positions: at most G x chunk x vocab."""
-    group_size, length = mask.shape
-    divergence = torch.zeros(mask.shape, device=hidden.device)
-    width = max(1, chunk_elements // (group_size * head_weight.shape[0]))
-    for start in range(0, length, width):
-        stop = start + width
-        p = scaled_logits(hidden[:, start:stop], head_weight, temperature).softmax(-1)
-        running = mask[:, start:stop, None]
-        p_bar = (p * running).sum(0) / running.sum(0).clamp(min=1)
-        middle = (p + p_bar) / 2
-        js = (0.5 * (torch.xlogy(p, p) - torch.xlogy(p, middle)).sum(-1)
-              + 0.5 * (torch.xlogy(p_bar, p_bar) - torch.xlogy(p_bar, middle)).sum(-1))
-        divergence[:, start:stop] = js * mask[:, start:stop]
-    return divergence
-
 def ict(group: Group, cfg: Config) -> TokenTerms:
     """ICT (Beyond Entropy, 2026): keep each response's top positions by JS divergence."""
     keep_counts = (cfg.ict_keep_frac * group.mask.sum(1)).ceil().clamp(min=1)
@@ -767,12 +705,18 @@ def token_metrics(logp, old_logp, ref_logp, entropy, advantages, mask, terms: To
     kl = torch.zeros_like(logp) if ref_logp is None else k3(logp, ref_logp)
     clipped = ppo_clipped(torch.exp(logp - old_logp), advantages, cfg) & terms.clip
     weight = terms.pg_weight.detach()
-    touched = (weight != 1) | (active == 0)
+    per_token = {"entropy": entropy, "kl": kl, "clipped": clipped, "w": weight,
+                 "touched": touched_tokens(terms), "pg_on": (weight != 0) & (active != 0)}
+    return {name: values[valid].float() for name, values in per_token.items()}
+
+def touched_tokens(terms: TokenTerms) -> torch.Tensor:
+    """Tokens whose loss the method changed: weighted other than 1, outside the pass, penalised."""
+    touched = terms.pg_weight.detach() != 1
+    if terms.active is not None:
+        touched |= terms.active == 0
     if terms.extra is not None:
         touched |= terms.extra.detach() != 0
-    per_token = {"entropy": entropy, "kl": kl, "clipped": clipped, "w": weight,
-                 "touched": touched, "pg_on": (weight != 0) & (active != 0)}
-    return {name: values[valid].float() for name, values in per_token.items()}
+    return touched
 
 
 # 9. The training loop and checkpoints -----------------------------------------------------------
@@ -850,28 +794,71 @@ def update(model, optimizer, scheduler, rollout: Rollout, cfg: Config, autocast,
             "touched_frac": token["touched"].mean().item(),
             "pg_active_frac": token["pg_on"].mean().item()}
 
-def load_model(path: str, dtype: torch.dtype, device: torch.device):
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    except OSError as e:
-        raise SystemExit(f"error: cannot load model '{path}': {first_line(e)} Download it while "
-                         f"online (huggingface-cli download {path}) or pass a local folder with "
-                         f"--model") from None
-    return model.to(device)
+def collect_rollout(model, reference, tokenizer, prompts: PromptStream, grader: Grader,
+                    cfg: Config) -> tuple[Rollout, dict]:
+    """Sample a batch, score it and compute its advantages. The old-policy and reference passes
+    run while the worker processes grade."""
+    method = METHODS[cfg.method]
+    rollout = sample(model, tokenizer, prompts.next_batch(cfg.prompts_per_step), cfg)
+    grades = grader.submit([(text, gold, "default")
+                            for text, gold in zip(rollout.texts, rollout.golds)])
+    if cfg.num_iterations > 1 or method.needs_old_policy_pass:
+        stats = policy_token_stats(model, rollout, cfg, method.needs_divergence)
+        rollout.old_logp, rollout.entropy = stats["logp"], stats["entropy"]
+        rollout.divergence = stats.get("divergence")
+        rollout.batch_entropy = rollout.entropy[rollout.completion_mask.bool()].sort().values
+    if reference is not None:
+        rollout.ref_logp = policy_token_stats(reference, rollout, cfg)["logp"]
+    return rollout, rollout_rewards(rollout, grades(), cfg)
 
-def load_reference(path: str, device: torch.device):
-    """The frozen KL reference model, held in bf16 on CUDA."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return load_model(path, dtype, device).eval().requires_grad_(False)
+@torch.no_grad()
+def token_view(model, tokenizer, rollout: Rollout, cfg: Config, label: str, shown: int = 4):
+    """What tokens.html shows of the batch's first group: a few completions, token by token, with
+    each token's probability, covariance score (cw step 3), and the weight every method gives it.
+    The RNG is restored (clip_cov draws), so training goes on unchanged."""
+    rng, group_rows = rng_states(), rollout.select(0, cfg.group_size)
+    stats = policy_token_stats(model, group_rows, cfg, divergence=True)
+    mask = group_rows.completion_mask
+    group = Group(logp=stats["logp"], old_logp=stats["logp"], advantages=group_rows.advantages,
+                  mask=mask, entropy=stats["entropy"], divergence=stats["divergence"],
+                  batch_entropy=stats["entropy"][mask.bool()].sort().values, update_pass=0)
+    weights, touched = {}, {}
+    for name, method in METHODS.items():
+        terms = method.token_terms(group, cfg)
+        active = 1 if terms.active is None else terms.active
+        weights[name], touched[name] = terms.pg_weight * active, touched_tokens(terms).int()
+    set_rng_states(rng)
+    lengths = mask.sum(1).long().tolist()[:shown]
 
-def load_tokenizer(path: str):
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
-    except OSError as e:
-        raise SystemExit(f"error: cannot load the tokenizer of '{path}': {first_line(e)}") from None
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    def rows(values, digits=4):  # per shown completion, its valid tokens' values
+        return [[float(f"{v:.{digits}g}") for v in row[:n].tolist()] for row, n in zip(values,
+                                                                                      lengths)]
+    return {"label": label, "adv": [round(a, 4) for a in group_rows.advantages[:shown].tolist()],
+            "tokens": [[tokenizer.decode([t]) for t in ids[:n].tolist()]
+                       for ids, n in zip(group_rows.completion_ids, lengths)],
+            "prob": rows(stats["logp"].exp()), "cov": rows(covariance_score(
+                stats["logp"], group_rows.advantages, mask)),
+            "weights": {k: rows(w) for k, w in weights.items()},
+            "touched": {k: rows(t) for k, t in touched.items()}}
+
+def draw(output_dir: Path, cfg: Config, views: list[dict]) -> None:
+    """The run's curves (curves.png) and its tokens (tokens.html), redrawn from what it holds."""
+    title = f"{cfg.method} on {cfg.model}, seed {cfg.seed}"
+    plots.plot_run(output_dir / "metrics.jsonl", output_dir / "curves.png", title)
+    (output_dir / "token_views.json").write_text(json.dumps(views))
+    plots.token_page(output_dir / "tokens.html", title, cfg.method,
+                     {name: m.description for name, m in METHODS.items()}, views)
+
+def closing_lines(output_dir: Path, cfg: Config) -> list[str]:
+    checkpoints = sorted(output_dir.glob("checkpoint-*"), key=lambda p: int(p.name[11:]))
+    evaluate = f"python evaluate.py --model {output_dir / 'final-model'}" + (
+        " --benchmarks benchmarks/tiny-arithmetic.jsonl --gold-format expr --prompt-template "
+        "'{question}' --temperature 1.0 --top-p 1.0 --max-new-tokens 40"
+        if cfg.preset == "tiny" else "")
+    return [f"checkpoints: {', '.join(str(p) for p in checkpoints)}",
+            f"final model: {output_dir / 'final-model'}",
+            f"pictures:    {output_dir / 'curves.png'} and {output_dir / 'tokens.html'}",
+            f"evaluate it: {evaluate}"]
 
 def check_paths(cfg: Config) -> None:
     """The model and the checkpoint to resume from exist as asked, or one line says what is
@@ -905,19 +892,28 @@ def prepare_output_dir(cfg: Config) -> Path:
 def train(cfg: Config, on_rollout: Callable | None = None) -> Path:
     """GRPO with cfg.method's token terms. on_rollout(step, model, rollout, autocast), if given,
     sees each scored rollout batch before the update (diagnose.py uses it)."""
-    device = resolve_device(cfg)
+    start, device = time.perf_counter(), resolve_device(cfg)
+    print(f"cwgrpo: --method {cfg.method} on {cfg.model}, data {cfg.dataset}\n"
+          f"  {cfg.prompts_per_step} prompts x G = {cfg.group_size} per step, {cfg.steps} steps, "
+          f"beta {cfg.beta:g}, lr {cfg.learning_rate:g}; output {cfg.output_dir}", flush=True)
+    plots.pyplot()  # fail now, not at the first checkpoint, if matplotlib is missing
     with RunLock(Path(cfg.output_dir)), StopRequest() as stop:  # a live run's folder: stop here
         check_paths(cfg)
         dataset = load_dataset(cfg.dataset, cfg.dataset_split, cfg.question_column,
                                cfg.gold_column)
-        return run(cfg, device, dataset, on_rollout, stop)
+        output_dir = run(cfg, device, dataset, on_rollout, stop)
+    print(plots.run_summary(output_dir / "metrics.jsonl", time.perf_counter() - start,
+                            closing_lines(output_dir, cfg)))
+    return output_dir
 
 def run(cfg: Config, device: torch.device, dataset, on_rollout: Callable | None,
         stop: StopRequest) -> Path:
-    """The loop of train(), inside the output folder's lock."""
+    """The loop of train(), inside the output folder's lock: sample, score, advantages, update,
+    log, save."""
     output_dir = prepare_output_dir(cfg)
     transformers.utils.logging.disable_progress_bar()
     resume_from = latest_checkpoint(output_dir) if cfg.resume else None
+    print(f"loading {resume_from or cfg.model} ...", flush=True)
     tokenizer = load_tokenizer(str(resume_from or cfg.model))
     prompts = PromptStream(dataset, tokenizer, cfg)
     model = load_model(str(resume_from or cfg.model), torch.float32, device)  # fp32 masters
@@ -939,14 +935,14 @@ def run(cfg: Config, device: torch.device, dataset, on_rollout: Callable | None,
     scheduler = transformers.get_cosine_with_min_lr_schedule_with_warmup(
         optimizer, int(cfg.warmup_ratio * total_updates), total_updates,
         min_lr_rate=cfg.min_lr_ratio)
-    start_step = 0
+    start_step, views = 0, []
     if resume_from is not None:
         state = torch.load(resume_from / "trainer_state.pt", weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         set_rng_states(state["rng"])
         start_step, prompts.position = state["step"], state["data_position"]
-        print(f"resumed from {resume_from}")
+        views = json.loads((output_dir / "token_views.json").read_text())[:1]
     else:
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
@@ -959,17 +955,10 @@ def run(cfg: Config, device: torch.device, dataset, on_rollout: Callable | None,
     for step in progress:
         t0 = time.perf_counter()
         with autocast():
-            rollout = sample(model, tokenizer, prompts.next_batch(cfg.prompts_per_step), cfg)
-            grades = grader.submit([(text, gold, "default")  # graded while the passes below run
-                                    for text, gold in zip(rollout.texts, rollout.golds)])
-            if cfg.num_iterations > 1 or method.needs_old_policy_pass:
-                stats = policy_token_stats(model, rollout, cfg, method.needs_divergence)
-                rollout.old_logp, rollout.entropy = stats["logp"], stats["entropy"]
-                rollout.divergence = stats.get("divergence")
-                rollout.batch_entropy = rollout.entropy[rollout.completion_mask.bool()].sort().values
-            if reference is not None:
-                rollout.ref_logp = policy_token_stats(reference, rollout, cfg)["logp"]
-            rollout_metrics = rollout_rewards(rollout, grades(), cfg)
+            rollout, rollout_metrics = collect_rollout(model, reference, tokenizer, prompts,
+                                                       grader, cfg)
+            if step == 0 or step + 1 == cfg.steps:
+                views.append(token_view(model, tokenizer, rollout, cfg, f"step {step + 1}"))
         rollout_s = time.perf_counter() - t0
         if on_rollout is not None:
             on_rollout(step + 1, model, rollout, autocast)
@@ -992,6 +981,7 @@ def run(cfg: Config, device: torch.device, dataset, on_rollout: Callable | None,
             save_checkpoint(output_dir, f"checkpoint-{step + 1}", model, tokenizer, {
                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "rng": rng_states(), "step": step + 1, "data_position": prompts.position})
+            draw(output_dir, cfg, views)
         if stop.requested:
             grader.close()
             raise SystemExit(f"stopped after step {step + 1} (saved checkpoint-{step + 1}); "
@@ -1003,12 +993,10 @@ def run(cfg: Config, device: torch.device, dataset, on_rollout: Callable | None,
 def main(argv=None) -> None:
     cfg = parse_config(argv)
     try:
-        output_dir = train(cfg)
+        train(cfg)
     except KeyboardInterrupt:
         raise SystemExit(f"interrupted: the step under way is lost; resume from the last "
                          f"checkpoint with: {resume_command()}") from None
-    print(f"done: metrics in {output_dir / 'metrics.jsonl'}, model in "
-          f"{output_dir / 'final-model'}")
 
 
 if __name__ == "__main__":

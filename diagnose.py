@@ -27,6 +27,7 @@ from transformers import HfArgumentParser
 
 import cwgrpo
 import plots
+from lm_head import squared_probability_mass
 
 CONCENTRATION_CUTOFFS = (0.0001, 0.001, 0.01, 0.1, 1.0)  # top 0.01% ... 100% of one side
 PAPER_CONCENTRATION = {0.0001: (11.5, -13.6), 1.0: (0.06, -0.04)}  # CW-GRPO, R1-Distill-1.5B
@@ -73,16 +74,14 @@ def quantile_masks(values: torch.Tensor, parts: int) -> list[torch.Tensor]:
 @torch.no_grad()
 def logp_and_squared_mass(model, rollout: cwgrpo.Rollout, cfg: cwgrpo.Config):
     """(N, T) log-probs and sum_v p_v^2 at each position (for ||onehot - p||^2 = 1 - 2 p_y +
-    sum_v p_v^2), micro-batch by micro-batch, streamed like the log-probs."""
+    sum_v p_v^2), micro-batch by micro-batch."""
     logp, squared_mass = (torch.zeros_like(rollout.completion_mask) for _ in range(2))
     head = model.get_output_embeddings().weight
-    width = max(1, cfg.logit_chunk_elements // head.shape[0])
     for block, part in rollout.micro_batches(cfg):
         logp[block], _, hidden = cwgrpo.completion_logprobs(model, part, cfg)
-        hidden = hidden[part.completion_mask.bool()]
-        squared_mass[block][part.completion_mask.bool()] = torch.cat([
-            cwgrpo.scaled_logits(hidden[s:s + width], head, cfg.temperature).softmax(-1)
-            .pow(2).sum(-1) for s in range(0, hidden.shape[0], width)])
+        valid = part.completion_mask.bool()
+        squared_mass[block][valid] = squared_probability_mass(
+            hidden[valid], head, cfg.temperature, cfg.logit_chunk_elements)
     return logp, squared_mass
 
 

@@ -24,6 +24,7 @@ from tqdm import tqdm
 from transformers import HfArgumentParser
 
 import cwgrpo
+import loading
 import plots
 
 
@@ -108,7 +109,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def load_benchmark(name: str, cfg: EvalConfig) -> tuple[str, Benchmark, list[tuple[str, str]]]:
     if name in BENCHMARKS:
         bench = BENCHMARKS[name]
-    elif Path(name).suffix in cwgrpo.LOCAL_DATA_FORMATS:
+    elif Path(name).suffix in loading.LOCAL_DATA_FORMATS:
         bench = Benchmark(name, "train", cfg.question_column, cfg.gold_column, cfg.gold_format)
         name = Path(name).stem
     else:

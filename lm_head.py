@@ -3,7 +3,7 @@
 cwgrpo.py's log-probs (section 5) come from here. At Qwen's vocabulary (151,936) a 4,096-token
 completion has 622M logits, 2.5 GB in float32, and backward needs as much again; computing them
 chunk of positions by chunk, and recomputing each chunk in backward, keeps two chunks alive at
-most. This module knows nothing of cwgrpo.
+most. ICT's divergence streams over the same distributions. This module knows nothing of cwgrpo.
 """
 
 import torch
@@ -63,3 +63,32 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
     at once."""
     width = max(1, chunk_elements // weight.shape[0])
     return ChunkedLogProbs.apply(hidden, weight, targets, temperature, width)
+
+
+@torch.no_grad()
+def ict_divergence(hidden: torch.Tensor, head_weight: torch.Tensor, mask: torch.Tensor,
+                   temperature: float, chunk_elements: int) -> torch.Tensor:
+    """ICT's u[i,t] = JS(p[i,t] || pbar[t]) in nats, pbar the mean next-token distribution of the
+    group's responses still running at t. Streams over positions: at most G x chunk x vocab."""
+    group_size, length = mask.shape
+    divergence = torch.zeros(mask.shape, device=hidden.device)
+    width = max(1, chunk_elements // (group_size * head_weight.shape[0]))
+    for start in range(0, length, width):
+        stop = start + width
+        p = scaled_logits(hidden[:, start:stop], head_weight, temperature).softmax(-1)
+        running = mask[:, start:stop, None]
+        p_bar = (p * running).sum(0) / running.sum(0).clamp(min=1)
+        middle = (p + p_bar) / 2
+        js = (0.5 * (torch.xlogy(p, p) - torch.xlogy(p, middle)).sum(-1)
+              + 0.5 * (torch.xlogy(p_bar, p_bar) - torch.xlogy(p_bar, middle)).sum(-1))
+        divergence[:, start:stop] = js * mask[:, start:stop]
+    return divergence
+
+
+@torch.no_grad()
+def squared_probability_mass(hidden: torch.Tensor, weight: torch.Tensor, temperature: float,
+                             chunk_elements: int) -> torch.Tensor:
+    """sum_v p_v^2 at each position, streamed like the log-probs."""
+    width = max(1, chunk_elements // weight.shape[0])
+    return torch.cat([scaled_logits(hidden[s:s + width], weight, temperature).softmax(-1)
+                      .pow(2).sum(-1) for s in range(0, hidden.shape[0], width)])

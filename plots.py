@@ -1,6 +1,8 @@
 """plots.py: every figure cwgrpo draws. It knows nothing of cwgrpo (cwgrpo.py's loop may call it)
 and loads matplotlib only when it draws, so `import cwgrpo` stays free of plotting libraries."""
 
+import html
+import json
 import statistics
 from pathlib import Path
 
@@ -80,3 +82,125 @@ def plot_checkpoints(path: Path, table: dict, names: dict) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+def read_records(metrics_path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line]
+
+
+def first_to_last(records: list[dict], key: str) -> tuple[float, float]:
+    """The mean of `key` over the first and over the last 10% of the records (at least one)."""
+    tail = max(1, len(records) // 10)
+    return (statistics.fmean(r[key] for r in records[:tail]),
+            statistics.fmean(r[key] for r in records[-tail:]))
+
+
+SUMMARY_KEYS = ("reward_mean", "accuracy_mean", "format_mean", "entropy_mean", "kl_mean")
+
+
+def run_summary(metrics_path: Path, wall_s: float, lines_after: list[str]) -> str:
+    """A few lines that say what a run did: first -> last 10% of each curve, and its wall time."""
+    records = read_records(metrics_path)
+    out = [f"done in {wall_s:.0f} s; first -> last 10% of {len(records)} steps:"]
+    for key in SUMMARY_KEYS:
+        first, last = first_to_last(records, key)
+        out.append(f"  {key.removesuffix('_mean'):9s} {first:8.3f} -> {last:.3f}")
+    return "\n".join(out + lines_after)
+
+
+def plot_run(metrics_path: Path, path: Path, title: str) -> None:
+    """One small figure of a run's curves: reward and accuracy, entropy, KL, the method's weights."""
+    records = read_records(metrics_path)
+    steps = [r["step"] for r in records]
+    plt = pyplot()
+    figure, axes = plt.subplots(2, 2, figsize=(10, 6), sharex=True)
+    panels = [(axes[0, 0], "reward and accuracy", ("reward_mean", "accuracy_mean", "format_mean")),
+              (axes[0, 1], "entropy (nats)", ("entropy_mean",)),
+              (axes[1, 0], "KL to the reference (k3)", ("kl_mean",)),
+              (axes[1, 1], "share of tokens", ("w_frac_below_half", "w_frac_above_2",
+                                               "touched_frac"))]
+    for axis, label, keys in panels:
+        for key in keys:
+            values = [r[key] for r in records]
+            line, = axis.plot(steps, values, linewidth=0.6, alpha=0.35)
+            axis.plot(steps, moving_average(values), color=line.get_color(), linewidth=1.5,
+                      label=key.removesuffix("_mean"))
+        axis.set(ylabel=label)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7, loc="best")
+    for axis in axes[1]:
+        axis.set(xlabel="optimizer step")
+    figure.suptitle(f"{title} (thin: per step; thick: 10-step mean)", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+TOKEN_PAGE_STYLE = """
+body { font: 14px/1.5 system-ui, sans-serif; margin: 1.5em; max-width: 70em; color: #222; }
+.completion { font-family: ui-monospace, monospace; white-space: pre-wrap; border: 1px solid #ddd;
+  padding: .5em; margin: .4em 0; }
+.t { border-radius: 2px; }
+.touched { outline: 1px solid #000; }
+.legend span { display: inline-block; padding: 0 .5em; margin-right: .3em; }
+.meta { color: #666; font-size: 12px; }
+"""
+
+TOKEN_PAGE_SCRIPT = """
+const data = JSON.parse(document.getElementById("data").textContent);
+function colour(w) {
+  if (w === 0) return "#bbbbbb";
+  if (w < 1) { const a = Math.min(1, 1 - w); return `rgba(40, 100, 230, ${0.15 + 0.7 * a})`; }
+  if (w > 1) { const a = Math.min(1, (w - 1) / 2); return `rgba(240, 140, 20, ${0.15 + 0.7 * a})`; }
+  return "transparent";
+}
+function show(method) {
+  for (const [v, view] of data.views.entries()) {
+    document.querySelectorAll(`[data-view="${v}"] .t`).forEach(span => {
+      const [i, t] = span.dataset.it.split(",").map(Number);
+      const w = view.weights[method][i][t], touched = view.touched[method][i][t];
+      span.style.background = colour(w);
+      span.classList.toggle("touched", touched === 1);
+      span.title = `p = ${view.prob[i][t].toPrecision(3)}, covariance score = ` +
+        `${view.cov[i][t].toPrecision(3)}, advantage = ${view.adv[i].toPrecision(3)}, ` +
+        `${method} weight = ${w.toPrecision(3)}${touched ? " (touched)" : ""}`;
+    });
+  }
+}
+document.getElementById("method").addEventListener("change", e => show(e.target.value));
+show(data.method);
+"""
+
+
+def token_page(path: Path, title: str, method: str, methods: dict, views: list[dict]) -> None:
+    """A self-contained page of sampled completions, each token coloured by the weight a method
+    gives it; a selector shows any other method on the same tokens. views: one per step, each
+    {"label", "tokens" (a list of token strings per completion), "prob", "cov" (per token),
+    "adv" (per completion), "weights" and "touched" (method -> per token)}. Token text is model
+    output, so it is escaped; the data travels as JSON with "</" escaped."""
+    body = []
+    for v, view in enumerate(views):
+        body.append(f'<h2>{html.escape(view["label"])}</h2><div data-view="{v}">')
+        for i, tokens in enumerate(view["tokens"]):
+            spans = "".join(f'<span class="t" data-it="{i},{t}">{html.escape(token)}</span>'
+                            for t, token in enumerate(tokens))
+            body.append(f'<p class="meta">completion {i + 1}, advantage '
+                        f'{view["adv"][i]:+.3f}</p><div class="completion">{spans}</div>')
+        body.append("</div>")
+    options = "".join(f'<option value="{html.escape(name)}"{" selected" * (name == method)}>'
+                      f'{html.escape(name)}: {html.escape(about)}</option>'
+                      for name, about in methods.items())
+    data = json.dumps({"method": method, "views": [
+        {k: view[k] for k in ("prob", "cov", "adv", "weights", "touched")} for view in views]},
+        separators=(",", ":")).replace("</", "<\\/")
+    legend = ('<p class="legend"><span style="background:rgba(40,100,230,.6)">w &lt; 1: turned '
+              'down</span><span style="border:1px solid #ccc">w = 1</span><span style="background:'
+              'rgba(240,140,20,.6)">w &gt; 1: turned up</span><span style="background:#bbb">w = 0: '
+              'silenced</span><span class="touched">outlined: loss changed by the method</span>'
+              ' Hover a token for its probability, covariance score, advantage and weight.</p>')
+    Path(path).write_text(
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>'
+        f'{html.escape(title)}</title><style>{TOKEN_PAGE_STYLE}</style></head><body>'
+        f'<h1>{html.escape(title)}</h1><p><label>Weights of <select id="method">{options}'
+        f'</select></label></p>{legend}{"".join(body)}<script type="application/json" id="data">'
+        f'{data}</script><script>{TOKEN_PAGE_SCRIPT}</script></body></html>\n')

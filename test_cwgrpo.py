@@ -4,6 +4,7 @@ Run: python -m pytest -q test_cwgrpo.py   (CPU, no network)
 """
 
 import contextlib
+from html.parser import HTMLParser
 import dataclasses
 import json
 import math
@@ -21,6 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import cwgrpo  # noqa: E402
 import ablate  # noqa: E402
 import diagnose  # noqa: E402
+import plots  # noqa: E402
 import tiny  # noqa: E402
 from cwgrpo import Grader, cw_weights, format_reward, grade_accuracy, group_advantages  # noqa: E402
 
@@ -197,7 +199,7 @@ def test_byte_level_tokenizer_round_trips_and_reloads(tiny_model, tmp_path):
     text = "Héllo 12+3=\\boxed{15}\n</think>\n"
     assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
     tokenizer.save_pretrained(tmp_path)
-    reloaded = cwgrpo.AutoTokenizer.from_pretrained(tmp_path)
+    reloaded = cwgrpo.load_tokenizer(str(tmp_path))
     assert type(reloaded).__name__ == "Qwen2Tokenizer"
     assert reloaded(text)["input_ids"] == tokenizer(text)["input_ids"]
 
@@ -954,3 +956,104 @@ def test_default_evaluation_folders_differ_for_models_of_the_same_name():
     assert folders == [Path("eval/runs-a-final-model"), Path("eval/runs-b-final-model"),
                        Path("eval/runs-a-final-model"), Path("eval/tmp-a-final-model"),
                        Path("eval/Qwen-Qwen2.5-Math-7B-Instruct"), Path("eval/runs-x-checkpoint")]
+
+
+# --------------------------------------------------------------------------- what a run leaves
+
+class PageParser(HTMLParser):
+    """Checks that every tag is closed in order, and collects each view's token spans."""
+    VOID = {"meta", "br", "img", "input", "link"}
+
+    def __init__(self):
+        super().__init__()
+        self.stack, self.views, self.view, self.in_token = [], {}, None, False
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag not in self.VOID:
+            self.stack.append(tag)
+        if "data-view" in attrs:
+            self.view = int(attrs["data-view"])
+            self.views[self.view] = []
+        if tag == "span" and attrs.get("class") == "t":
+            self.in_token = True
+            self.views[self.view].append("")
+
+    def handle_endtag(self, tag):
+        assert self.stack and self.stack.pop() == tag, f"</{tag}> closes nothing open"
+        self.in_token = False
+
+    def handle_data(self, data):
+        if self.in_token:
+            self.views[self.view][-1] += data
+
+
+def test_a_run_leaves_its_curves_and_a_valid_small_token_page(tiny_run):
+    assert (tiny_run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page = (tiny_run / "tokens.html").read_text()
+    views = json.loads((tiny_run / "token_views.json").read_text())
+    assert [v["label"] for v in views] == ["step 1", "step 4"]
+    assert len(page.encode()) < 300_000
+    parser = PageParser()
+    parser.feed(page)
+    parser.close()
+    assert parser.stack == []
+    for index, view in enumerate(views):  # every token's text, once per view, in order
+        assert parser.views[index] == [token for tokens in view["tokens"] for token in tokens]
+        assert set(view["weights"]) == set(cwgrpo.METHODS)
+    embedded = page.split('<script type="application/json" id="data">')[1].split("</script>")[0]
+    assert json.loads(embedded)["views"][0]["weights"] == views[0]["weights"]
+
+
+def test_token_page_escapes_model_output(tmp_path):
+    hostile = ["</script><script>alert(1)</script>", "<b>", "&amp;", '"q"']
+    view = {"label": "step 1", "tokens": [hostile], "prob": [[0.5] * 4], "cov": [[0.0] * 4],
+            "adv": [1.0], "weights": {"grpo": [[1.0] * 4]}, "touched": {"grpo": [[0] * 4]}}
+    plots.token_page(tmp_path / "t.html", "t", "grpo", {"grpo": "GRPO"}, [view])
+    page = (tmp_path / "t.html").read_text()
+    assert "<b>" not in page and "alert(1)</script>" not in page
+    parser = PageParser()
+    parser.feed(page)
+    assert parser.views[0] == hostile and parser.stack == []
+
+
+def test_token_view_weights_are_the_methods_weights(tiny_base):
+    cfg = cwgrpo.parse_config(["--preset", "tiny", "--max-completion-length", "12"])
+    model = cwgrpo.load_model(str(tiny_base / "model"), torch.float32, torch.device("cpu"))
+    tokenizer = cwgrpo.load_tokenizer(str(tiny_base / "model"))
+    torch.manual_seed(0)
+    rollout = cwgrpo.sample(model, tokenizer, [(cwgrpo.chat_prompt_ids(tokenizer, "3+4", ""),
+                                                "\\boxed{7}")], cfg)
+    rollout.advantages = torch.randn(cfg.group_size, generator=torch.Generator().manual_seed(1))
+    rng = torch.get_rng_state()
+    view = cwgrpo.token_view(model, tokenizer, rollout, cfg, "step 1")
+    assert torch.equal(torch.get_rng_state(), rng)
+    with torch.no_grad():
+        logp, _, _ = cwgrpo.completion_logprobs(model, rollout, cfg)
+    mask = rollout.completion_mask
+    cw = cwgrpo.cw_weights(logp, rollout.advantages, mask)
+    for i, tokens in enumerate(view["tokens"]):
+        n = int(mask[i].sum())
+        assert tokens == [tokenizer.decode([t]) for t in rollout.completion_ids[i, :n].tolist()]
+        assert view["weights"]["cw"][i] == pytest.approx(cw[i, :n].tolist(), rel=1e-3)
+        assert view["weights"]["grpo"][i] == [1.0] * n
+        assert view["prob"][i] == pytest.approx(logp[i, :n].exp().tolist(), rel=1e-3)
+
+
+def test_a_run_says_what_it_does_and_what_it_did(tiny_args, tmp_path):
+    out = run_cli(*tiny_args, "--steps", "2", "--output-dir", str(tmp_path / "run"))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == f"cwgrpo: --method cw on {tiny_args[3]}, data {tiny_args[5]}"
+    assert lines[1].startswith("  8 prompts x G = 8 per step, 2 steps, beta 0.04")
+    summary = lines[lines.index(next(x for x in lines if x.startswith("done in "))):]
+    assert [x.split()[0] for x in summary[1:6]] == ["reward", "accuracy", "format", "entropy",
+                                                    "kl"]
+    assert summary[-1].startswith(f"evaluate it: python evaluate.py --model {tmp_path}")
+
+
+def test_import_cwgrpo_loads_no_plotting_library():
+    out = subprocess.run([sys.executable, "-c", "import sys, cwgrpo; "
+                          "print(sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib'))"],
+                         capture_output=True, text=True, cwd=HERE, timeout=120)
+    assert out.stdout.strip() == "[]", out.stderr

@@ -1,0 +1,85 @@
+"""loading.py: models, tokenizers and data from the Hugging Face hub or local files, each failure
+one line that names the problem and its fix, never a traceback from inside a library. cwgrpo.py,
+evaluate.py and the tools load through it; it knows nothing of cwgrpo.
+"""
+
+import json
+from pathlib import Path
+
+import datasets
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+LOCAL_DATA_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def load_dataset(name: str, split: str, question_column: str, gold_column: str):
+    """A hub dataset or a local file, checked to have the question and gold columns."""
+    path, local = Path(name), Path(name).suffix in LOCAL_DATA_FORMATS
+    if local:
+        check_local_data(path)
+    try:
+        dataset = datasets.load_dataset(LOCAL_DATA_FORMATS[path.suffix], data_files=str(path),
+                                        split="train") if local else \
+            datasets.load_dataset(name, split=split)
+    except (ConnectionError, OSError, ValueError, datasets.exceptions.DatasetNotFoundError) as e:
+        hint = "fix the file" if local else ("check the name, or download it while online (it "
+                                             "is then read from the cache), or pass a local "
+                                             ".json/.jsonl/.parquet/.csv file")
+        raise SystemExit(f"error: cannot load dataset '{name}' (split '{split}'): "
+                         f"{first_line(e)}; {hint}") from None
+    if len(dataset) == 0:
+        raise SystemExit(f"error: dataset '{name}' has no rows; give a file with some")
+    missing = [c for c in (question_column, gold_column) if c not in dataset.column_names]
+    if missing:
+        raise SystemExit(f"error: dataset '{name}' has no column {', '.join(map(repr, missing))}; "
+                         f"columns found: {', '.join(dataset.column_names)}. "
+                         f"Set --question-column and --gold-column")
+    return dataset
+
+
+def check_local_data(path: Path) -> None:
+    """A local data file exists, has rows, and (.jsonl) holds valid JSON on every line."""
+    if not path.is_file():
+        raise SystemExit(f"error: dataset file {path} does not exist")
+    if path.stat().st_size == 0:
+        raise SystemExit(f"error: dataset file {path} is empty; give a file with some rows")
+    if path.suffix == ".jsonl":
+        with path.open() as lines:
+            for number, line in enumerate(lines, 1):
+                try:
+                    line.strip() and json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise SystemExit(f"error: {path} line {number} is not valid JSON ({e.msg}); "
+                                     f"fix or remove that line") from None
+
+
+def first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def load_model(path: str, dtype: torch.dtype, device: torch.device):
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except OSError as e:
+        raise SystemExit(f"error: cannot load model '{path}': {first_line(e)} Download it while "
+                         f"online (huggingface-cli download {path}) or pass a local folder with "
+                         f"--model") from None
+    return model.to(device)
+
+
+def load_reference(path: str, device: torch.device):
+    """The frozen KL reference model, held in bf16 on CUDA."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return load_model(path, dtype, device).eval().requires_grad_(False)
+
+
+def load_tokenizer(path: str):
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    except OSError as e:
+        raise SystemExit(f"error: cannot load the tokenizer of '{path}': {first_line(e)}") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
