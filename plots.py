@@ -141,7 +141,7 @@ body { font: 14px/1.5 system-ui, sans-serif; margin: 1.5em; max-width: 70em; col
 .completion { font-family: ui-monospace, monospace; white-space: pre-wrap; border: 1px solid #ddd;
   padding: .5em; margin: .4em 0; }
 .t { border-radius: 2px; }
-.touched { outline: 1px solid #000; }
+.touched { text-decoration: underline dotted 2px; }
 .legend span { display: inline-block; padding: 0 .5em; margin-right: .3em; }
 .meta { color: #666; font-size: 12px; }
 """
@@ -196,7 +196,7 @@ def token_page(path: Path, title: str, method: str, methods: dict, views: list[d
     legend = ('<p class="legend"><span style="background:rgba(40,100,230,.6)">w &lt; 1: turned '
               'down</span><span style="border:1px solid #ccc">w = 1</span><span style="background:'
               'rgba(240,140,20,.6)">w &gt; 1: turned up</span><span style="background:#bbb">w = 0: '
-              'silenced</span><span class="touched">outlined: loss changed by the method</span>'
+              'silenced</span><span class="touched">dotted underline: loss changed by the method</span>'
               ' Hover a token for its probability, covariance score, advantage and weight.</p>')
     Path(path).write_text(
         f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>'

@@ -1057,3 +1057,45 @@ def test_import_cwgrpo_loads_no_plotting_library():
                           "print(sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib'))"],
                          capture_output=True, text=True, cwd=HERE, timeout=120)
     assert out.stdout.strip() == "[]", out.stderr
+
+
+@pytest.mark.parametrize("top_p,top_k", [(1.0, 1), (1e-6, 0)])
+def test_sampling_loop_with_a_kv_cache_matches_greedy_generate(tiny_base, top_p, top_k):
+    """With the nucleus or the top-k cut to one token, sampling is greedy decoding: the loop must
+    then give exactly what transformers' generate gives, left padding included."""
+    model = cwgrpo.load_model(str(tiny_base / "model"), torch.float32, torch.device("cpu")).eval()
+    tokenizer = cwgrpo.load_tokenizer(str(tiny_base / "model"))
+    prompts = [cwgrpo.chat_prompt_ids(tokenizer, q, "") for q in ("1+2", "12+30", "5+5")]
+    prompt_ids, prompt_mask, ids, mask, _, _ = cwgrpo.generate_completions(
+        model, tokenizer, prompts, 2, 0.7, top_p, top_k, 16, None)
+    reference = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=False,
+                               max_new_tokens=16, pad_token_id=tokenizer.pad_token_id,
+                               eos_token_id=tokenizer.eos_token_id)[:, prompt_ids.shape[1]:]
+    reference_mask, _ = cwgrpo.completion_mask_after_eos(reference, [tokenizer.eos_token_id])
+    assert torch.equal(mask, reference_mask[:, :mask.shape[1]])
+    assert torch.equal(ids * mask.long(), (reference * reference_mask.long())[:, :ids.shape[1]])
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 1.0, 3), (1.3, 0.9, 0)])
+def test_sampled_tokens_follow_the_configured_distribution(tiny_base, temperature, top_p, top_k):
+    """8,000 draws of one next token against softmax(logits / T), cut to top-k or top-p."""
+    model = cwgrpo.load_model(str(tiny_base / "model"), torch.float32, torch.device("cpu")).eval()
+    tokenizer = cwgrpo.load_tokenizer(str(tiny_base / "model"))
+    prompt = torch.tensor([cwgrpo.chat_prompt_ids(tokenizer, "4+", "")])
+    with torch.no_grad():
+        probs = (model(input_ids=prompt).logits[0, -1] / temperature).softmax(-1)
+    kept = torch.zeros_like(probs, dtype=torch.bool)
+    order = probs.argsort(descending=True)
+    if top_k:
+        kept[order[:top_k]] = True
+    else:  # the nucleus: the most probable tokens until their mass reaches top_p
+        before = probs[order].cumsum(0) - probs[order]
+        kept[order[before < top_p]] = True
+    expected = probs * kept / (probs * kept).sum()
+    torch.manual_seed(0)
+    drawn = cwgrpo.sample_tokens(model, prompt.repeat(8000, 1), torch.ones(8000, prompt.shape[1]),
+                                 1, temperature, top_p, top_k, [tokenizer.eos_token_id],
+                                 tokenizer.pad_token_id)[:, 0]
+    frequency = torch.bincount(drawn, minlength=len(probs)).float() / 8000
+    assert (frequency[~kept] == 0).all()
+    assert (frequency - expected).abs().max() < 0.02
