@@ -1,14 +1,19 @@
-"""ablate.py: methods x seeds on one preset, side by side: a table and a plot.
+"""ablate.py: methods x seeds on one preset, side by side: a table with intervals, and a plot.
 
-    python ablate.py --methods all --seeds 3 --preset tiny      # every method, seeds 0, 1, 2
-    python ablate.py --methods grpo,cw -- --steps 300           # options after -- go to every run
+    python ablate.py                                  # every method, seeds 0-4, the tiny preset
+    python ablate.py --methods cw-readings            # GRPO and the readings of CW-GRPO
+    python ablate.py --methods grpo,cw -- --steps 300 # options after -- go to every run
 
-Each run is `python cwgrpo.py` in its own process and folder (<method>-seed<seed>/), two at a time
-on a 2-core machine; rerunning the same command skips finished runs and resumes unfinished ones.
+Each run is `python cwgrpo.py` in its own process and folder (<label>-seed<seed>/), as many at a
+time as there are cores, each with one torch thread and one grading process, so a run here equals
+the standalone command with the same options (`--threads 1 --reward-workers 1`) step for step.
+Rerunning the same command skips finished runs and resumes unfinished ones. A method can carry
+options of its own: `--methods "grpo,cw-detached=cw --cw-detach"`.
 """
 
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -26,64 +31,84 @@ import plots
 import tiny
 
 HERE = Path(__file__).resolve().parent
+CW_READINGS = ("grpo,cw,cw-detached=cw --cw-detach,cw-paper=cw --cw-reading paper,"
+               "cw-gradient-only=cw --cw-reading gradient-only")
 
 
 @dataclass
 class AblationConfig:
-    methods: str = cwgrpo.arg("all", "comma-separated method names, or all")
-    seeds: int = cwgrpo.arg(3, "runs per method, with seeds 0 .. seeds-1")
+    methods: str = cwgrpo.arg("all", "comma-separated methods (label=method options for a variant), "
+                                     "all, or cw-readings (GRPO and CW-GRPO's readings)")
+    seeds: int = cwgrpo.arg(5, "runs per method, with seeds 0 .. seeds-1")
     preset: Literal["paper-1.5b", "paper-7b", "tiny"] = cwgrpo.arg(
         "tiny", "the recipe every run uses; options after -- go to every run")
     output_dir: str = cwgrpo.arg("runs/ablation",
-                                 "gets <method>-seed<seed>/ per run, ablation.md and ablation.png")
+                                 "gets <label>-seed<seed>/ per run, ablation.md and ablation.png")
+    publish: str = cwgrpo.arg("", "also write the table and plot here, as <publish>.md and .png")
     workers: int = cwgrpo.arg(0, "runs at a time; 0 is one per CPU core")
     threshold: float = cwgrpo.arg(
-        1.2, "reward level for 'steps to threshold' (first step whose 10-step mean reaches it)")
+        0.7, "accuracy for 'steps to threshold' (first step whose 10-step mean reaches it)")
     plot: bool = cwgrpo.arg(True, "draw ablation.png")
 
 
+def parse_methods(spec: str) -> dict[str, list[str]]:
+    """label -> the cwgrpo.py options that make it."""
+    spec = {"all": ",".join(cwgrpo.METHODS), "cw-readings": CW_READINGS}.get(spec, spec)
+    runs = {}
+    for entry in filter(None, (e.strip() for e in spec.split(","))):
+        label, _, definition = entry.partition("=")
+        method, *options = shlex.split(definition or label)
+        if method not in cwgrpo.METHODS:
+            raise SystemExit(f"error: unknown method {method}; choose from "
+                             f"{', '.join(cwgrpo.METHODS)}")
+        runs[label.strip()] = ["--method", method, *options]
+    return runs
+
+
+def cell(values: list[float], digits: int = 3) -> str:
+    mean, half = plots.interval(values)
+    return f"{mean:.{digits}f} ± {half:.{digits}f}"
+
+
+def difference(values: list[float], baseline: list[float], digits: int = 3) -> str:
+    """The paired difference over seeds, with its 95% interval; bold when it excludes 0."""
+    mean, half = plots.interval([v - b for v, b in zip(values, baseline)])
+    text = f"{mean:+.{digits}f} ± {half:.{digits}f}"
+    return f"**{text}**" if abs(mean) > half and len(values) > 1 else text
+
+
 def run_summary(run_dir: Path, threshold: float) -> dict:
-    """Per rollout step: reward and entropy; and the run's final figures over its last 10%."""
-    by_step = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        by_step.setdefault(record["rollout_step"], []).append(record)
-    steps = sorted(by_step)
-    reward = [by_step[s][0]["reward_mean"] for s in steps]
-    entropy = [by_step[s][0]["entropy_mean"] for s in steps]
-    tail = max(1, len(steps) // 10)
-    reached = [s for s, r in zip(steps, plots.moving_average(reward)) if r >= threshold]
-    records = [r for s in steps for r in by_step[s]]
-    return {"reward": reward, "entropy": entropy, "final_reward": statistics.fmean(reward[-tail:]),
-            "final_entropy": statistics.fmean(entropy[-tail:]),
-            "steps_to_threshold": reached[0] if reached else None,
-            "touched_frac": statistics.fmean(r["touched_frac"] for r in records),
-            "wall_s": json.loads((run_dir / "wall_time.json").read_text())["wall_s"]}
+    """Per rollout step: accuracy and entropy; the run's first and final figures (10% each)."""
+    every_update = plots.read_records(run_dir / "metrics.jsonl")
+    records = [r for r in every_update if r["update_pass"] == 0]  # one per rollout step
+    summary = {"accuracy": [r["accuracy_mean"] for r in records],
+               "entropy": [r["entropy_mean"] for r in records],
+               "touched_frac": statistics.fmean(r["touched_frac"] for r in every_update)}
+    for key in ("accuracy_mean", "format_mean", "reward_mean", "entropy_mean"):
+        summary["first_" + key], summary["final_" + key] = plots.first_to_last(records, key)
+    reached = [r["rollout_step"] for r, a in zip(records, plots.moving_average(
+        summary["accuracy"])) if a >= threshold]
+    summary["steps_to_threshold"] = reached[0] if reached else None
+    summary["wall_s"] = json.loads((run_dir / "wall_time.json").read_text())["wall_s"]
+    return summary
 
 
-def mean_std(values: list, digits: int = 3) -> str:
-    if len(values) < 2:
-        return f"{statistics.fmean(values):.{digits}f}"
-    return f"{statistics.fmean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
-
-
-def run_one(method: str, seed: int, run_dir: Path, acfg: AblationConfig, run_args: list,
-            workers: int) -> None:
+def run_one(label: str, options: list[str], seed: int, run_dir: Path, acfg: AblationConfig,
+            run_args: list) -> None:
     if (run_dir / "wall_time.json").is_file():
         return  # finished by an earlier invocation
-    cores_per_run = str(max(1, (os.cpu_count() or 1) // workers))
-    command = [sys.executable, str(HERE / "cwgrpo.py"), "--preset", acfg.preset, "--method",
-               method, "--seed", str(seed), "--output-dir", str(run_dir), "--reward-workers",
-               cores_per_run, *run_args]
+    command = [sys.executable, str(HERE / "cwgrpo.py"), "--preset", acfg.preset, *options,
+               "--seed", str(seed), "--output-dir", str(run_dir), "--threads", "1",
+               "--reward-workers", "1", *run_args]
     if (run_dir / "metrics.jsonl").exists():
         command.append("--resume")
     run_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with (run_dir / "log.txt").open("w") as log:
         done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT,
-                              env={**os.environ, "OMP_NUM_THREADS": cores_per_run})
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
     if done.returncode:
-        raise SystemExit(f"error: {method} seed {seed} failed; see {run_dir / 'log.txt'}")
+        raise SystemExit(f"error: {label} seed {seed} failed; see {run_dir / 'log.txt'}")
     (run_dir / "wall_time.json").write_text(json.dumps({"wall_s": time.perf_counter() - start}))
 
 
@@ -91,52 +116,70 @@ def ablate(argv: list) -> Path:
     split = argv.index("--") if "--" in argv else len(argv)
     own, run_args = argv[:split], argv[split + 1:]
     (acfg,) = HfArgumentParser(AblationConfig, prog="ablate.py").parse_args_into_dataclasses(own)
-    methods = list(cwgrpo.METHODS) if acfg.methods == "all" else acfg.methods.split(",")
-    unknown = [m for m in methods if m not in cwgrpo.METHODS]
-    if unknown:
-        raise SystemExit(f"error: unknown method {', '.join(unknown)}; choose from "
-                         f"{', '.join(cwgrpo.METHODS)}")
+    methods = parse_methods(acfg.methods)
     if acfg.plot:
         plots.pyplot()  # fail now, not after the runs, if matplotlib is missing
     if acfg.preset == "tiny" and "--model" not in run_args:
         tiny.build()
     output_dir = Path(acfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    workers = acfg.workers or os.cpu_count() or 1
-    runs = [(m, seed, output_dir / f"{m}-seed{seed}") for m in methods for seed in range(acfg.seeds)]
-    with ThreadPoolExecutor(workers) as pool:
-        jobs = [pool.submit(run_one, *run, acfg, run_args, workers) for run in runs]
+    runs = [(label, seed, output_dir / f"{label}-seed{seed}") for label in methods
+            for seed in range(acfg.seeds)]
+    start = time.perf_counter()
+    with ThreadPoolExecutor(acfg.workers or os.cpu_count() or 1) as pool:
+        jobs = [pool.submit(run_one, label, methods[label], seed, run_dir, acfg, run_args)
+                for label, seed, run_dir in runs]
         for job in tqdm(jobs, desc="ablation"):
             job.result()
-    summaries = {m: [run_summary(d, acfg.threshold) for mm, _, d in runs if mm == m]
-                 for m in methods}
-    write_ablation_table(output_dir / "ablation.md", summaries, acfg, run_args)
-    if acfg.plot:
-        plots.plot_ablation(output_dir / "ablation.png", {
-            m: {key: [r[key] for r in runs] for key in ("reward", "entropy")}
-            for m, runs in summaries.items()},
-            f"preset {acfg.preset}: mean over {acfg.seeds} seeds, band ± 1 std")
+    summaries = {label: [run_summary(d, acfg.threshold) for lb, _, d in runs if lb == label]
+                 for label in methods}
+    table = ablation_table(summaries, methods, acfg, run_args, time.perf_counter() - start)
+    for stem in filter(None, (output_dir / "ablation", acfg.publish and Path(acfg.publish))):
+        Path(stem).parent.mkdir(parents=True, exist_ok=True)
+        Path(f"{stem}.md").write_text(table)
+        if acfg.plot:
+            plots.plot_ablation(Path(f"{stem}.png"), {
+                label: {key: [r[key] for r in runs] for key in ("accuracy", "entropy")}
+                for label, runs in summaries.items()},
+                f"preset {acfg.preset}: mean over {acfg.seeds} seeds, band: 95% interval")
     return output_dir
 
 
-def write_ablation_table(path: Path, summaries: dict, acfg: AblationConfig, run_args: list):
-    options = f" with {' '.join(run_args)}" if run_args else ""
-    lines = [f"Preset `{acfg.preset}`{options}, {acfg.seeds} seeds per method (mean ± std over "
-             f"seeds). Final figures are means over the last 10% of rollout steps; 'steps to "
-             f"{acfg.threshold}' is the first rollout step whose 10-step mean reward reaches it "
-             f"(seeds that never do are left out, counted in brackets); 'touched' is the share of "
-             f"valid tokens the method weighted, masked or penalised differently from GRPO.", "",
-             f"| method | final reward | final entropy | steps to {acfg.threshold} | wall s | "
-             f"touched |", "|---|---|---|---|---|---|"]
-    for method, runs in summaries.items():
+def ablation_table(summaries: dict, methods: dict, acfg: AblationConfig, run_args: list,
+                   wall_s: float) -> str:
+    seeds, options = acfg.seeds, f" -- {shlex.join(run_args)}" if run_args else ""
+    baseline = summaries.get("grpo")
+    lines = [f"`python ablate.py --methods {shlex.quote(acfg.methods)} --seeds {seeds} --preset "
+             f"{acfg.preset}{options}`: {len(methods) * seeds} runs, this invocation "
+             f"{wall_s / 60:.1f} min (runs it found finished are not counted).", "",
+             f"Mean ± half-width of the 95% Student-t interval over seeds 0-{seeds - 1}. First and "
+             f"final figures are means over the first and last 10% of rollout steps. Δ is the "
+             f"paired difference from grpo over the same seeds, **bold** where its interval "
+             f"excludes 0 (a finding); elsewhere the seeds cannot tell the two apart. 'steps to "
+             f"{acfg.threshold}' is the first rollout step whose 10-step mean accuracy reaches it "
+             f"(seeds that never do are left out and counted).", "",
+             f"| method | options | accuracy first → final | Δ final accuracy | final format | "
+             f"Δ format | final entropy | Δ entropy | steps to {acfg.threshold} | wall s | "
+             f"touched |", "|---" * 11 + "|"]
+    for label, runs in summaries.items():
+        def values(key):
+            return [r[key] for r in runs]
+
+        def delta(key):
+            return difference(values(key), [r[key] for r in baseline]) \
+                if baseline and label != "grpo" else "-"
         reached = [r["steps_to_threshold"] for r in runs if r["steps_to_threshold"] is not None]
-        never = f" ({len(runs) - len(reached)} never)" if len(reached) < len(runs) else ""
-        steps = mean_std(reached, 0) + never if reached else "never"
-        lines.append(f"| {method} | {mean_std([r['final_reward'] for r in runs])} | "
-                     f"{mean_std([r['final_entropy'] for r in runs])} | {steps} | "
-                     f"{mean_std([r['wall_s'] for r in runs], 0)} | "
-                     f"{100 * statistics.fmean(r['touched_frac'] for r in runs):.1f}% |")
-    path.write_text("\n".join(lines) + "\n")
+        steps = (cell(reached, 0) if reached else "never") + \
+            (f" ({len(runs) - len(reached)} never)" if reached and len(reached) < len(runs) else "")
+        lines.append(
+            f"| {label} | `{shlex.join(methods[label])}` | "
+            f"{statistics.fmean(values('first_accuracy_mean')):.3f} → "
+            f"{cell(values('final_accuracy_mean'))} | {delta('final_accuracy_mean')} | "
+            f"{cell(values('final_format_mean'))} | {delta('final_format_mean')} | "
+            f"{cell(values('final_entropy_mean'))} | {delta('final_entropy_mean')} | {steps} | "
+            f"{cell(values('wall_s'), 0)} | "
+            f"{100 * statistics.fmean(values('touched_frac')):.1f}% |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

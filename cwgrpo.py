@@ -8,17 +8,14 @@ covariance score. docs/math.md has every formula, with the papers' equation and 
     python tiny.py                               # once: the tiny preset's model and data (a CPU)
     python cwgrpo.py --method cw --preset tiny   # CW-GRPO on that tiny model, in a minute on a CPU
     python cwgrpo.py --method cw                 # the paper's 1.5B recipe (one CUDA GPU)
-
-Sections: 1 config, 2 data and prompts, 3 reward, 4 sampling, 5 log-probs, 6 group advantages,
-7 the methods, 8 the loss, 9 the training loop and checkpoints.
 """
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import random
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -33,14 +30,15 @@ from tqdm import tqdm
 from transformers import DynamicCache, HfArgumentParser
 
 from lm_head import chunked_logprobs, ict_divergence
-from loading import load_dataset, load_model, load_reference, load_tokenizer
+from loading import (check_model_path, eos_token_ids, load_dataset, load_model, load_reference,
+                     load_tokenizer)
 import plots
-from runtime import (CachedTimeoutPool, LogCounter, RunLock, StopRequest, keep_records_until,
+from runtime import (CachedTimeoutPool, LogCounter, RunLock, StopRequest, bf16_autocast,
+                     check_resumable, keep_records_until, prepare_output_dir, resolve_device,
                      latest_checkpoint, resume_command, rng_states, save_checkpoint,
                      set_rng_states)
 
 # 1. Config --------------------------------------------------------------------------------------
-
 # The system prompt Open-RS trains with (the paper's training data).
 OPEN_RS_SYSTEM_PROMPT = (
     "A conversation between User and Assistant. The user asks a question, and the Assistant solves "
@@ -48,87 +46,81 @@ OPEN_RS_SYSTEM_PROMPT = (
     "user with the answer, and put your final answer within \\boxed{} . The reasoning process and "
     "answer are enclosed within <think> </think> and <answer> </answer> tags, respectively, i.e., "
     "<think> reasoning process here </think> <answer> answer here </answer>. Note that respond by "
-    "English, NOT use other languages."
-)
+    "English, NOT use other languages.")
 
 def arg(default, help: str, **metadata):
     """A Config field with its --help text."""
     return field(default=default, metadata={"help": help, **metadata})
 
+# The range of every numeric option, checked when the command line is parsed: rule -> options
+RULES = {
+    ">= 2": (lambda v: v >= 2, "group_size"),
+    "> 0": (lambda v: v > 0, "prompts_per_step groups_per_micro_batch max_prompt_length "
+                             "max_completion_length temperature reward_timeout_s num_iterations "
+                             "learning_rate max_grad_norm steps save_every logit_chunk_elements"),
+    "in (0, 1]": (lambda v: 0 < v <= 1, "top_p clip_cov_ratio kl_cov_ratio lopti_eta "
+                                        "ar_lopti_eta ict_keep_frac entropy_top_frac"),
+    ">= 0": (lambda v: v >= 0, "top_k accuracy_weight format_weight reward_workers beta eps_low "
+                               "eps_high kl_cov_coef stapo_max_prob weight_decay seed threads"),
+    "in [0, 1]": (lambda v: 0 <= v <= 1, "ar_alpha ar_lopti_alpha min_lr_ratio warmup_ratio"),
+    "in [0, 100]": (lambda v: 0 <= v <= 100, "stapo_entropy_percentile"),
+}
+
 @dataclass
 class Config:
     """The defaults are the released 1.5B recipe (docs/math.md, "Recipe"); PRESETS override some."""
-    preset: Literal["paper-1.5b", "paper-7b", "tiny"] = arg("paper-1.5b",
-        "a whole recipe: paper-1.5b, paper-7b, or tiny (the CPU demo built by tiny.py); any "
-        "option given overrides the preset's value")
-    method: str = arg("cw",
-        "token-weighting method: one of the METHODS table (section 7, listed below)")
-    model: str = arg("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B",
-        "policy model: a Hugging Face hub id or a local folder")
-    dataset: str = arg("knoveleng/open-rs",
-        "training data: a hub dataset id or a local .json/.jsonl/.parquet/.csv file")
+    preset: Literal["paper-1.5b", "paper-7b", "tiny"] = arg(
+        "paper-1.5b", "a whole recipe (tiny: the CPU demo of tiny.py); options given override it")
+    method: str = arg("cw", "token-weighting method: one of METHODS (section 7, listed below)")
+    model: str = arg("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", "hub id or local folder")
+    dataset: str = arg("knoveleng/open-rs", "hub id or local .json/.jsonl/.parquet/.csv file")
     dataset_split: str = arg("train", "split of a hub dataset")
     question_column: str = arg("problem", "column of the question")
     gold_column: str = arg("solution", "column of the reference solution (parsed by math-verify)")
-    system_prompt: str = arg(OPEN_RS_SYSTEM_PROMPT,
-        "system message of the chat template; empty for none (default: Open-RS's)")
+    system_prompt: str = arg(OPEN_RS_SYSTEM_PROMPT, "system message; empty for none")
     group_size: int = arg(12, "G, completions sampled per prompt")
-    prompts_per_step: int = arg(12,
-        "prompts per rollout batch; one step sees prompts_per_step x G completions")
-    groups_per_micro_batch: int = arg(1,
-        "whole groups per forward/backward pass (gradient accumulation does the rest)")
-    max_prompt_length: int = arg(512,
-        "prompts longer than this many tokens are skipped (and counted)")
-    max_completion_length: int = arg(4096, "generation limit in tokens; see --length-limit")
-    length_limit: Literal["total", "new"] = arg("total",
-        "total: prompt + completion at most --max-completion-length tokens (the released recipe's "
-        "vLLM max model length); new: that many new tokens after each prompt")
-    temperature: float = arg(0.7, "sampling temperature; the log-probs divide the logits by it too")
+    prompts_per_step: int = arg(12, "prompts per rollout batch")
+    groups_per_micro_batch: int = arg(1, "whole groups per forward/backward pass")
+    max_prompt_length: int = arg(512, "longer prompts are skipped (and counted)")
+    max_completion_length: int = arg(4096, "generation limit; see --length-limit")
+    length_limit: Literal["total", "new"] = arg(
+        "total", "total: prompt + completion hold at most --max-completion-length tokens (the "
+                 "released recipe's vLLM max model length); new: as many new tokens")
+    temperature: float = arg(0.7, "sampling temperature; log-probs use it too")
     top_p: float = arg(1.0, "nucleus sampling; 1.0 is off (paper)")
     top_k: int = arg(0, "top-k sampling; 0 is off (paper)")
-    mask_truncated_completions: bool = arg(False,
-        "drop completions cut at the length limit from the loss")
+    mask_truncated_completions: bool = arg(False, "drop completions cut at the limit from the loss")
     accuracy_weight: float = arg(1.0, "weight of the accuracy reward")
-    format_weight: float = arg(1.0, "weight of the format reward ('\\n</think>\\n' exactly once)")
-    reward_timeout_s: float = arg(10.0,
-        "hard wall-clock limit on grading one completion; a cutoff scores 0")
-    reward_workers: int = arg(0,
-        "processes grading completions in parallel; 0 is one per CPU core, at most 8")
+    format_weight: float = arg(1.0, "weight of the format reward")
+    reward_timeout_s: float = arg(10.0, "hard limit on grading one completion")
+    reward_workers: int = arg(0, "grading processes; 0: one per core, at most 8")
     beta: float = arg(0.04, "k3 KL coefficient; 0 loads no reference model")
     eps_low: float = arg(0.2, "PPO clip range below 1")
     eps_high: float = arg(0.2, "PPO clip range above 1")
-    loss_aggregation: Literal["seq-mean-token-mean", "token-mean"] = arg("seq-mean-token-mean",
-        "seq-mean-token-mean (original GRPO, the paper) or token-mean (DAPO)")
-    num_iterations: int = arg(1,
-        "policy updates per rollout batch (1 in the paper: on-policy, ratio == 1)")
-    cw_norm: Literal["padded", "valid"] = arg("padded",
-        "cw: weights of mean 1 over padded positions (released code) or over real tokens")
-    cw_detach: bool = arg(False,
-        "cw: no gradient through the weights (the released code lets it flow)")
-    cw_reading: Literal["released", "paper"] = arg("released",
-        "cw: released (the code's --cw-norm padded, weights not detached) or paper (the text's "
-        "most natural reading: --cw-norm valid --cw-detach); overrides both flags")
-    clip_cov_ratio: float = arg(2e-4, "clip_cov: share of valid tokens whose loss is zeroed")
+    loss_aggregation: Literal["seq-mean-token-mean", "token-mean"] = arg(
+        "seq-mean-token-mean", "seq-mean-token-mean (GRPO, the paper) or token-mean (DAPO)")
+    num_iterations: int = arg(1, "policy updates per rollout batch (paper: 1)")
+    cw_norm: Literal["padded", "valid"] = arg(
+        "padded", "cw: weights of mean 1 over padded positions (released code) or real tokens")
+    cw_detach: bool = arg(False, "cw: no gradient through the weights (released code: it flows)")
+    cw_reading: Literal["released", "paper", "gradient-only"] = arg(
+        "released", "cw: released (padded, not detached), paper (the text's natural reading: "
+                    "valid, detached), or gradient-only (a control: w = 1 with released's gradient)")
+    clip_cov_ratio: float = arg(2e-4, "clip_cov: share of tokens zeroed")
     clip_cov_lb: float = arg(1.0, "clip_cov: candidates have covariance above this")
     clip_cov_ub: float = arg(5.0, "clip_cov: candidates have covariance below this")
-    kl_cov_ratio: float = arg(2e-3,
-        "kl_cov: share of valid tokens, top by covariance, that get the penalty")
+    kl_cov_ratio: float = arg(2e-3, "kl_cov: share of tokens penalised")
     kl_cov_coef: float = arg(1.0, "kl_cov: coefficient of |logp - old_logp|")
     ar_alpha: float = arg(0.2, "ar: alpha of w = alpha p + 1 - alpha")
-    lopti_eta: float = arg(0.4,
-        "lopti: tokens with old probability below this go in the first pass")
+    lopti_eta: float = arg(0.4, "lopti: probability threshold of the first pass")
     ar_lopti_alpha: float = arg(0.3, "ar_lopti: ar's alpha")
     ar_lopti_eta: float = arg(0.5, "ar_lopti: lopti's eta")
-    ict_keep_frac: float = arg(0.1,
-        "ict: share of each response's positions kept, top by JS divergence")
-    entropy_top_frac: float = arg(0.2,
-        "entropy20: share of the batch's tokens, top by entropy, that keep the PG term")
-    stapo_max_prob: float = arg(0.01,
-        "stapo: silenced tokens have probability below this (secondary source)")
-    stapo_entropy_percentile: float = arg(5.0,
-        "stapo: silenced tokens have entropy below this batch percentile")
+    ict_keep_frac: float = arg(0.1, "ict: share of positions kept")
+    entropy_top_frac: float = arg(0.2, "entropy20: share of tokens kept")
+    stapo_max_prob: float = arg(0.01, "stapo: probability below which ...")
+    stapo_entropy_percentile: float = arg(5.0, "... and entropy percentile")
     learning_rate: float = arg(1e-6, "peak AdamW learning rate")
-    min_lr_ratio: float = arg(0.1, "the cosine schedule ends at this fraction of the peak")
+    min_lr_ratio: float = arg(0.1, "the cosine schedule ends at this x peak")
     warmup_ratio: float = arg(0.1, "share of steps with linear warmup")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "gradient clipping norm")
@@ -136,56 +128,40 @@ class Config:
     save_every: int = arg(50, "write checkpoint-<step> this often")
     seed: int = arg(2025, "seed of data order and sampling")
     gradient_checkpointing: bool = arg(True, "recompute activations in backward to save memory")
-    logit_chunk_elements: int = arg(2**26,
-        "positions x vocab logits computed at once by the chunked LM head, so memory does not "
-        "grow with vocab x length (2**26: 441 positions at Qwen's vocab)")
+    logit_chunk_elements: int = arg(2**26, "logits held at once (lm_head.py)")
     device: str = arg("auto", "auto (cuda if present), cuda or cpu")
-    output_dir: str = arg("",
-        "metrics, checkpoints and the final model (default runs/<method>-<preset>-seed<seed>)")
+    threads: int = arg(0, "CPU threads of torch; 0: torch's default")
+    output_dir: str = arg("", "default runs/<method>-<preset>-seed<seed>")
     resume: bool = arg(False, "continue from the newest complete checkpoint in --output-dir")
-    overwrite_output_dir: bool = arg(False,
-        "start afresh in an --output-dir that already holds a run")
+    overwrite_output_dir: bool = arg(False, "start afresh in an --output-dir that holds a run")
 
     def __post_init__(self):
         """Every option is checked here, at parse time, before any slow work."""
         if self.method not in METHODS:
             raise SystemExit(f"error: unknown --method {self.method!r}; choose from "
                              f"{', '.join(METHODS)}")
-        for name, (low, high, why) in OPTION_RANGES.items():
-            value = getattr(self, name)
-            if (low is not None and value < low) or (high is not None and value > high) or \
-                    (why in ("> 0", "in (0, 1]") and value <= 0):
-                raise SystemExit(f"error: --{name.replace('_', '-')} must be {why}; got {value}")
+        for rule, (holds, names) in RULES.items():
+            for name in names.split():
+                if not holds(getattr(self, name)):
+                    raise SystemExit(f"error: --{name.replace('_', '-')} must be {rule}; got "
+                                     f"{getattr(self, name)}")
         if self.clip_cov_lb >= self.clip_cov_ub:
             raise SystemExit(f"error: --clip-cov-lb ({self.clip_cov_lb}) must be below "
                              f"--clip-cov-ub ({self.clip_cov_ub})")
-        if self.cw_reading == "paper":
-            self.cw_norm, self.cw_detach = "valid", True
+        if self.cw_reading != "released":  # the control takes the released weights' gradient
+            self.cw_norm, self.cw_detach = ("valid", True) if self.cw_reading == "paper" else \
+                ("padded", False)
         self.groups_per_micro_batch = min(self.groups_per_micro_batch, self.prompts_per_step)
         if self.prompts_per_step % self.groups_per_micro_batch:
             raise SystemExit(f"error: --prompts-per-step ({self.prompts_per_step}) must be a "
                              f"multiple of --groups-per-micro-batch ({self.groups_per_micro_batch})")
+        if self.length_limit == "total" and self.max_prompt_length >= self.max_completion_length:
+            raise SystemExit(f"error: --max-prompt-length ({self.max_prompt_length}) leaves no "
+                             f"room for a completion within --max-completion-length "
+                             f"({self.max_completion_length}) under --length-limit total")
         if not self.output_dir:
             self.output_dir = f"runs/{self.method}-{self.preset}-seed{self.seed}"
 
-
-# name: (lowest, highest, the rule in words); None is unbounded
-OPTION_RANGES = {
-    "group_size": (2, None, ">= 2 (group advantages need two samples)"),
-    **{name: (None, None, "> 0") for name in (
-        "prompts_per_step", "groups_per_micro_batch", "max_prompt_length", "max_completion_length",
-        "temperature", "reward_timeout_s", "learning_rate", "max_grad_norm", "steps", "save_every",
-        "num_iterations", "logit_chunk_elements")},
-    **{name: (0, None, ">= 0") for name in (
-        "top_k", "reward_workers", "beta", "eps_low", "eps_high", "weight_decay", "kl_cov_coef",
-        "accuracy_weight", "format_weight", "seed", "stapo_max_prob")},
-    **{name: (0, 1, "in (0, 1]") for name in (
-        "top_p", "clip_cov_ratio", "kl_cov_ratio", "ict_keep_frac", "entropy_top_frac",
-        "lopti_eta", "ar_lopti_eta")},
-    **{name: (0, 1, "in [0, 1]") for name in (
-        "min_lr_ratio", "warmup_ratio", "ar_alpha", "ar_lopti_alpha")},
-    "stapo_entropy_percentile": (0, 100, "in [0, 100]"),
-}
 
 PRESETS = {
     "paper-1.5b": {},  # the Config defaults are this recipe
@@ -194,10 +170,13 @@ PRESETS = {
     "tiny": dict(model="runs/tiny-base/model", dataset="runs/tiny-base/arithmetic.jsonl",
                  system_prompt="", group_size=8, prompts_per_step=8, groups_per_micro_batch=8,
                  max_prompt_length=64, max_completion_length=40, length_limit="new", temperature=1.0,
-                 learning_rate=5e-4, warmup_ratio=0.05, steps=150, save_every=50, seed=0,
+                 learning_rate=7e-4, warmup_ratio=0.05, steps=200, save_every=50, seed=0,
                  gradient_checkpointing=False),
 }
 GPU_PRESETS = ("paper-1.5b", "paper-7b")
+EVALUATE_OPTIONS = {"tiny": " --benchmarks benchmarks/tiny-arithmetic.jsonl --gold-format expr "
+                            "--prompt-template '{question}' --temperature 1.0 --top-p 1.0 "
+                            "--max-new-tokens 40"}
 
 def parse_config(argv=None, *extra_dataclasses):
     """The run's Config (and those of extra dataclasses a tool adds): the preset's values as
@@ -213,23 +192,7 @@ def parse_config(argv=None, *extra_dataclasses):
     parsed = parser.parse_args_into_dataclasses(argv)
     return parsed if extra_dataclasses else parsed[0]
 
-def resolve_device(cfg: Config) -> torch.device:
-    if cfg.device == "auto":
-        if cfg.preset in GPU_PRESETS and not torch.cuda.is_available():
-            raise SystemExit(f"error: --preset {cfg.preset} is a GPU recipe and no CUDA GPU was "
-                             f"found; run the CPU demo with --preset tiny (or force --device cpu)")
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda but no CUDA GPU was found; use --device cpu")
-    return torch.device(cfg.device)
-
-def bf16_autocast(device: torch.device):
-    """A factory of autocast contexts: bf16 on CUDA (weights stay fp32 masters), none on CPU."""
-    return lambda: torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-
-
 # 2. Data and prompts ----------------------------------------------------------------------------
-
 def chat_prompt_ids(tokenizer, question: str, system_prompt: str) -> list[int]:
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": question})
@@ -237,39 +200,34 @@ def chat_prompt_ids(tokenizer, question: str, system_prompt: str) -> list[int]:
                                          return_dict=True)["input_ids"]
 
 class PromptStream:
-    """Tokenised (prompt, gold) pairs in seeded shuffled order, epoch after epoch.
-
-    The position is a count of prompts served, so a checkpoint stores one integer.
-    """
+    """Tokenised (prompt, gold) pairs in a seeded order, reshuffled each epoch. Its position, a
+    count of prompts served, is all a checkpoint needs."""
 
     def __init__(self, dataset, tokenizer, cfg: Config):
-        self.items, self.skipped = [], 0
-        for question, gold in zip(dataset[cfg.question_column], dataset[cfg.gold_column]):
-            ids = chat_prompt_ids(tokenizer, str(question), cfg.system_prompt)
-            if len(ids) > cfg.max_prompt_length:
-                self.skipped += 1
-            else:
-                self.items.append((ids, str(gold)))
+        pairs = [(chat_prompt_ids(tokenizer, str(question), cfg.system_prompt), str(gold))
+                 for question, gold in zip(dataset[cfg.question_column], dataset[cfg.gold_column])]
+        self.items = [(ids, gold) for ids, gold in pairs if len(ids) <= cfg.max_prompt_length]
+        self.skipped, self.seed, self.position = len(pairs) - len(self.items), cfg.seed, 0
+        if self.skipped:
+            print(f"skipped {self.skipped} prompts longer than --max-prompt-length")
         if not self.items:
             raise SystemExit(f"error: every prompt is longer than --max-prompt-length "
                              f"{cfg.max_prompt_length}")
-        self.seed, self.position, self.epoch_order = cfg.seed, 0, {}
+
+    @functools.lru_cache(maxsize=1)
+    def order(self, epoch: int) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(len(self.items), generator=generator).tolist()
 
     def next_batch(self, n: int) -> list[tuple[list[int], str]]:
         batch = []
         for _ in range(n):
             epoch, index = divmod(self.position, len(self.items))
-            if epoch not in self.epoch_order:
-                generator = torch.Generator().manual_seed(self.seed + epoch)
-                order = torch.randperm(len(self.items), generator=generator).tolist()
-                self.epoch_order = {epoch: order}
-            batch.append(self.items[self.epoch_order[epoch][index]])
+            batch.append(self.items[self.order(epoch)[index]])
             self.position += 1
         return batch
 
-
 # 3. Reward: math-verify accuracy + format (docs/math.md, "Reward") ------------------------------
-
 class Grade(NamedTuple):
     accuracy: float
     gold_parsed: bool  # False: the gold could not be parsed, so the score is 0 by rule
@@ -285,46 +243,38 @@ PREDICTION_EXTRACTION = [LatexExtractionConfig(
 def grade_accuracy(completion: str, gold: str, gold_format: str = "default") -> Grade:
     """1.0 if math-verify finds the completion's answer equal to the gold, checked gold first
     (verify is not symmetric). gold_format "default" is math-verify's default extraction, the
-    training reward's; evaluate.py's benchmarks parse their gold as "expr" or "latex"."""
-    gold_parsed = parse(gold, extraction_mode="first_match",  # as the released reward
-                        extraction_config=GOLD_EXTRACTION[gold_format])
-    if not gold_parsed:
-        return Grade(0.0, False, False)
-    prediction = parse(completion, extraction_mode="first_match",
-                       extraction_config=PREDICTION_EXTRACTION)
-    return Grade(float(verify(gold_parsed, prediction)), True, False)
+    training reward's; evaluate.py's benchmarks parse their gold as "expr" or "latex".
+    math-verify's own cutoffs (5 s a parse or comparison) score 0 and count as cutoffs."""
+    cutoffs = LogCounter.installed("math_verify", "Timeout during")
+    before = cutoffs.count
+    try:
+        gold_parsed = parse(gold, extraction_mode="first_match",  # as the released reward
+                            extraction_config=GOLD_EXTRACTION[gold_format])
+        if not gold_parsed:
+            return Grade(0.0, False, False)
+        prediction = parse(completion, extraction_mode="first_match",
+                           extraction_config=PREDICTION_EXTRACTION)
+        accuracy = float(verify(gold_parsed, prediction))
+    except Exception:  # noqa: BLE001 - a failure inside the grader is a wrong answer
+        accuracy = 0.0
+    return Grade(accuracy, True, cutoffs.count > before)
 
 def format_reward(completion: str) -> float:
     return float(completion.count("\n</think>\n") == 1)
 
 class Grader(CachedTimeoutPool):
-    """Grades (completion, gold, gold_format) triples on worker processes, each under a hard time
-    limit (math-verify's own limit uses SIGALRM, which works only on a main thread). Results are
-    cached, which never changes a score: grading is a pure function of its inputs."""
+    """grade_accuracy in worker processes under a hard time limit; cached (grading is pure)."""
 
     def __init__(self, timeout_s: float = 10.0, workers: int = 1):
-        super().__init__(grade_in_worker, workers, timeout_s, Grade(0.0, True, True))
+        super().__init__(grade_accuracy, workers, timeout_s, Grade(0.0, True, True))
 
     def grade(self, completion: str, gold: str, gold_format: str = "default") -> Grade:
         return self.map([(completion, gold, gold_format)])[0]
 
-def grade_in_worker(completion: str, gold: str, gold_format: str) -> Grade:
-    """grade_accuracy inside a grading worker. math-verify's own cutoffs (5 s per parse or
-    comparison) score 0 as ours do, and count as cutoffs too; any failure is a wrong answer."""
-    cutoffs = LogCounter.installed("math_verify", "Timeout during")
-    before = cutoffs.count
-    try:
-        grade = grade_accuracy(completion, gold, gold_format)
-    except Exception:  # noqa: BLE001
-        grade = Grade(0.0, True, False)
-    return grade._replace(timed_out=True) if cutoffs.count > before else grade
-
-def reward_worker_count(requested: int) -> int:
-    return requested or min(8, os.cpu_count() or 1)
-
+def reward_worker_count(cfg: Config) -> int:
+    return cfg.reward_workers or min(8, os.cpu_count() or 1)
 
 # 4. Sampling ------------------------------------------------------------------------------------
-
 @dataclass
 class Rollout:
     """One rollout batch: N = prompts x G completions, consecutive rows forming a group."""
@@ -369,11 +319,6 @@ class Rollout:
         for start in range(0, len(self.texts), rows):
             part = self.select(start, start + rows)
             yield (slice(start, start + rows), slice(0, part.completion_ids.shape[1])), part
-
-def eos_token_ids(model, tokenizer) -> list[int]:
-    ids = model.generation_config.eos_token_id
-    ids = [ids] if isinstance(ids, int) else list(ids or [])
-    return ids or [tokenizer.eos_token_id]
 
 @torch.no_grad()
 def sample(model, tokenizer, batch: list[tuple[list[int], str]], cfg: Config) -> Rollout:
@@ -447,21 +392,17 @@ def sample_tokens(model, prompt_ids, prompt_mask, max_new_tokens: int, temperatu
     return torch.stack(tokens, 1)
 
 def completion_mask_after_eos(completion_ids: torch.Tensor, eos: list[int],
-                              limits: torch.Tensor | None = None):
-    """1 for every token up to and including the first EOS within each row's limit, 0 after; and
-    which rows have no EOS within it (truncated)."""
+                              limits: torch.Tensor):
+    """1 for every token up to and including the first EOS within each row's limit (in tokens),
+    0 after; and which rows have no EOS within it (truncated)."""
     positions = torch.arange(completion_ids.shape[1], device=completion_ids.device)
-    limits = torch.full((len(completion_ids),), completion_ids.shape[1],
-                        device=completion_ids.device) if limits is None else limits
     is_eos = torch.isin(completion_ids, torch.tensor(eos, device=completion_ids.device)) \
         & (positions[None, :] < limits[:, None])
     truncated = ~is_eos.any(1)
     last = torch.where(truncated, limits - 1, is_eos.int().argmax(1))
     return (positions[None, :] <= last[:, None]).float(), truncated
 
-
 # 5. Log-probs and entropy, chunked over positions -----------------------------------------------
-
 def completion_logprobs(model, rollout: Rollout, cfg: Config):
     """(N, T) log-probs of the sampled completion tokens and the entropies there, 0 on padding;
     and the (N, T, hidden) states that predict them."""
@@ -482,18 +423,14 @@ def completion_logprobs(model, rollout: Rollout, cfg: Config):
     entropy[valid] = entropy_valid
     return logp, entropy, hidden
 
-
 # 6. Group advantages ----------------------------------------------------------------------------
-
 def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """A_i = (R_i - mean(R)) / (std(R) + 1e-4) within each group, Bessel std (GRPO; math.md)."""
     groups = rewards.view(-1, group_size)
     advantages = (groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)
     return advantages.view(-1)
 
-
 # 7. The methods: how each one changes the per-token loss (docs/math.md, "Methods") --------------
-
 class Group(NamedTuple):
     """What a method sees of one group of G responses (T = the micro-batch's longest response)."""
     logp: torch.Tensor        # (G, T) current policy, with gradient
@@ -523,8 +460,7 @@ def covariance_score(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) 
 
 def cw_weights(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *,
                norm: str = "padded", detach: bool = False) -> torch.Tensor:
-    """CW-GRPO's Gaussian-kernel weights of one group (Wang et al. 2026, the method section;
-    math.md "cw", steps 1-8)."""
+    """CW-GRPO's weights of one group (Wang et al. 2026, method; docs/math.md "cw", steps 1-8)."""
     score = covariance_score(logp, adv, mask)                              # 1-3.
     n_valid = mask.sum().clamp(min=1)  # a group with no valid token gets weights 0, not NaN
     score_mean = score.sum() / n_valid
@@ -542,8 +478,11 @@ def cw_weights(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *,
     return weights.detach() if detach else weights                         # 7.
 
 def cw(group: Group, cfg: Config) -> TokenTerms:
-    return TokenTerms(cw_weights(group.logp, group.advantages, group.mask, norm=cfg.cw_norm,
-                                 detach=cfg.cw_detach))
+    weights = cw_weights(group.logp, group.advantages, group.mask, norm=cfg.cw_norm,
+                         detach=cfg.cw_detach)
+    if cfg.cw_reading == "gradient-only":  # value exactly 1, gradient that of the weights
+        weights = group.mask + (weights - weights.detach())
+    return TokenTerms(weights)
 
 def token_covariance(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Cui et al.'s C = (logp - mean logp) (A - mean A), means over the valid tokens (math.md)."""
@@ -642,26 +581,22 @@ class Method(NamedTuple):
 METHODS = {
     "grpo": Method(grpo, "GRPO baseline, every token weight 1"),
     "cw": Method(cw, "CW-GRPO, Gaussian-kernel covariance weights (Wang et al. 2026)"),
-    "clip_cov": Method(clip_cov, "zero the loss of a few random high-covariance tokens "
-                                 "(Cui et al. 2025)"),
-    "kl_cov": Method(kl_cov, "no clipping, |logp - old_logp| on top-covariance tokens "
-                             "(Cui et al. 2025)"),
+    "clip_cov": Method(clip_cov, "zero a few random high-covariance tokens (Cui et al. 2025)"),
+    "kl_cov": Method(kl_cov, "|logp - old_logp| on top-covariance tokens (Cui et al. 2025)"),
     "ar": Method(ar, "advantage reweighting by alpha p + 1 - alpha (Yang et al. 2025)"),
-    "lopti": Method(lopti, "low-probability tokens first, then the rest: 2 steps per batch "
-                           "(Yang et al. 2025)", update_passes=2, needs_old_policy_pass=True),
+    "lopti": Method(lopti, "low-probability tokens first, then the rest (Yang et al. 2025)",
+                    update_passes=2, needs_old_policy_pass=True),
     "ar_lopti": Method(ar_lopti, "ar and lopti together (Yang et al. 2025)", update_passes=2,
                        needs_old_policy_pass=True),
-    "ict": Method(ict, "PG only on each response's top 10% positions by JS divergence from the "
-                       "group (2026)", needs_old_policy_pass=True, needs_divergence=True),
-    "entropy20": Method(entropy20, "PG only on the top 20% highest-entropy tokens "
-                                   "(Wang et al. 2025)", needs_old_policy_pass=True),
-    "stapo": Method(stapo, "silence rare, low-entropy positive tokens, renormalise (2026)",
+    "ict": Method(ict, "PG only on top-10% positions by JS divergence from the group (2026)",
+                  needs_old_policy_pass=True, needs_divergence=True),
+    "entropy20": Method(entropy20, "PG only on the top-20% entropy tokens (Wang et al. 2025)",
+                        needs_old_policy_pass=True),
+    "stapo": Method(stapo, "silence rare, low-entropy positive tokens (2026)",
                     needs_old_policy_pass=True),
 }
 
-
 # 8. The loss ------------------------------------------------------------------------------------
-
 def token_loss(logp, old_logp, ref_logp, advantages, terms: TokenTerms, cfg: Config):
     """Per-token loss w * pg + beta * k3 (+ a method's extra term); the KL is never weighted."""
     ratio = torch.exp(logp - old_logp)
@@ -698,17 +633,16 @@ def micro_batch_terms(logp, old_logp, entropy, rollout: Rollout, cfg: Config,
             mask=rollout.completion_mask[g], entropy=entropy[g],
             batch_entropy=rollout.batch_entropy, divergence=divergence, update_pass=update_pass),
             cfg))
-    pg_weight = torch.cat([p.pg_weight for p in parts])
-    extra = None if parts[0].extra is None else torch.cat([p.extra for p in parts])
-    active = None if parts[0].active is None else torch.cat([p.active for p in parts])
+    def joined(values):  # the groups' tensors side by side; None and clip are the method's
+        return torch.cat(values) if isinstance(values[0], torch.Tensor) else values[0]
+    pg_weight, extra, clip, active = map(joined, zip(*parts))
     if rollout.active is not None:
         active = rollout.active if active is None else rollout.active * active
-    return TokenTerms(pg_weight, extra, parts[0].clip, active)
+    return TokenTerms(pg_weight, extra, clip, active)
 
 def micro_batch_loss(model, rollout: Rollout, cfg: Config, n_responses: int, n_tokens: int,
                      update_pass: int = 0):
-    """The micro-batch's share of the step's loss, and what the metrics read: the log-probs, the
-    old log-probs, the entropies and the method's token terms."""
+    """The micro-batch's share of the step's loss, and what its metrics read."""
     logp, entropy, _ = completion_logprobs(model, rollout, cfg)
     old_logp = rollout.old_logp if rollout.old_logp is not None else logp.detach()
     entropy = rollout.entropy if rollout.entropy is not None else entropy
@@ -720,8 +654,7 @@ def micro_batch_loss(model, rollout: Rollout, cfg: Config, n_responses: int, n_t
 
 def token_metrics(logp, old_logp, ref_logp, entropy, advantages, mask, terms: TokenTerms,
                   cfg: Config) -> dict:
-    """Per valid token, what the step's metrics average: entropy, KL, PPO clipping, the PG weight,
-    whether the method touched the token's loss, and whether its PG term is on."""
+    """Per valid token, what the step's metrics average (entropy, KL, clipping, the weights...)."""
     valid = mask.bool()
     active = torch.ones_like(logp) if terms.active is None else terms.active
     kl = torch.zeros_like(logp) if ref_logp is None else k3(logp, ref_logp)
@@ -740,24 +673,19 @@ def touched_tokens(terms: TokenTerms) -> torch.Tensor:
         touched |= terms.extra.detach() != 0
     return touched
 
-
 # 9. The training loop and checkpoints -----------------------------------------------------------
-
 @torch.no_grad()
 def policy_token_stats(model, rollout: Rollout, cfg: Config, divergence: bool = False) -> dict:
-    """(N, T) log-probs and entropies of the batch's tokens under `model` (the rollout policy or
-    the reference), micro-batch by micro-batch, without gradient; and ict's divergence on
-    request. 0 on padding."""
+    """(N, T) log-probs and entropies of the batch's tokens under `model` (policy or reference),
+    without gradient, and ict's divergence on request; 0 on padding."""
     names = ["logp", "entropy"] + ["divergence"] * divergence
     out = {name: torch.zeros_like(rollout.completion_mask) for name in names}
-    head = model.get_output_embeddings().weight
     for block, part in rollout.micro_batches(cfg):
         out["logp"][block], out["entropy"][block], hidden = completion_logprobs(model, part, cfg)
-        for g in range(0, len(part.texts) if divergence else 0, cfg.group_size):
-            group = slice(g, g + cfg.group_size)
-            out["divergence"][block][group] = ict_divergence(
-                hidden[group], head, part.completion_mask[group], cfg.temperature,
-                cfg.logit_chunk_elements)
+        if divergence:
+            out["divergence"][block] = ict_divergence(
+                hidden, model.get_output_embeddings().weight, part.completion_mask,
+                cfg.temperature, cfg.logit_chunk_elements, cfg.group_size)
     return out
 
 def rollout_rewards(rollout: Rollout, grades: list[Grade], cfg: Config) -> dict:
@@ -778,8 +706,7 @@ def rollout_rewards(rollout: Rollout, grades: list[Grade], cfg: Config) -> dict:
             "grading_timeouts": sum(g.timed_out for g in grades)}
 
 def accumulate_gradients(model, rollout: Rollout, cfg: Config, autocast, update_pass: int = 0):
-    """The gradient of the step's loss into .grad, micro-batch of whole groups by micro-batch;
-    the loss, and the per-token metrics of each micro-batch."""
+    """The step's loss gradient into .grad, micro-batch by micro-batch; the loss, the metrics."""
     model.train()
     n_responses = len(rollout.texts)
     n_tokens = int(rollout.completion_mask.sum().clamp(min=1))
@@ -808,18 +735,16 @@ def update(model, optimizer, scheduler, rollout: Rollout, cfg: Config, autocast,
         token = {name: torch.zeros(1) for name in token}
     w = token["w"]
     return {"loss": loss, "grad_norm": grad_norm.item(), "lr": lr,
-            "entropy_mean": token["entropy"].mean().item(), "kl_mean": token["kl"].mean().item(),
-            "clip_frac": token["clipped"].mean().item(), "w_mean": w.mean().item(),
-            "w_std": w.std().item() if len(w) > 1 else 0.0, "w_min": w.min().item(),
-            "w_max": w.max().item(), "w_frac_below_half": (w < 0.5).float().mean().item(),
-            "w_frac_above_2": (w > 2).float().mean().item(),
-            "touched_frac": token["touched"].mean().item(),
-            "pg_active_frac": token["pg_on"].mean().item()}
+            **{f"{name}_mean": token[name].mean().item() for name in ("entropy", "kl", "w")},
+            "clip_frac": token["clipped"].mean().item(), "touched_frac": token["touched"].mean()
+            .item(), "pg_active_frac": token["pg_on"].mean().item(), "w_min": w.min().item(),
+            "w_std": w.std().item() if len(w) > 1 else 0.0, "w_max": w.max().item(),
+            "w_frac_below_half": (w < 0.5).float().mean().item(),
+            "w_frac_above_2": (w > 2).float().mean().item()}
 
 def collect_rollout(model, reference, tokenizer, prompts: PromptStream, grader: Grader,
                     cfg: Config) -> tuple[Rollout, dict]:
-    """Sample a batch, score it and compute its advantages. The old-policy and reference passes
-    run while the worker processes grade."""
+    """Sample a batch, score it, compute its advantages (grading runs during the passes)."""
     method = METHODS[cfg.method]
     rollout = sample(model, tokenizer, prompts.next_batch(cfg.prompts_per_step), cfg)
     grades = grader.submit([(text, gold, "default")
@@ -838,30 +763,16 @@ def token_view(model, tokenizer, rollout: Rollout, cfg: Config, label: str, show
     """What tokens.html shows of the batch's first group: a few completions, token by token, with
     each token's probability, covariance score (cw step 3), and the weight every method gives it.
     The RNG is restored (clip_cov draws), so training goes on unchanged."""
-    rng, group_rows = rng_states(), rollout.select(0, cfg.group_size)
-    stats = policy_token_stats(model, group_rows, cfg, divergence=True)
-    mask = group_rows.completion_mask
-    group = Group(logp=stats["logp"], old_logp=stats["logp"], advantages=group_rows.advantages,
+    rng, rows = rng_states(), rollout.select(0, cfg.group_size)
+    stats, mask = policy_token_stats(model, rows, cfg, divergence=True), rows.completion_mask
+    group = Group(logp=stats["logp"], old_logp=stats["logp"], advantages=rows.advantages,
                   mask=mask, entropy=stats["entropy"], divergence=stats["divergence"],
                   batch_entropy=stats["entropy"][mask.bool()].sort().values, update_pass=0)
-    weights, touched = {}, {}
-    for name, method in METHODS.items():
-        terms = method.token_terms(group, cfg)
-        active = 1 if terms.active is None else terms.active
-        weights[name], touched[name] = terms.pg_weight * active, touched_tokens(terms).int()
+    terms = {name: method.token_terms(group, cfg) for name, method in METHODS.items()}
     set_rng_states(rng)
-    lengths = mask.sum(1).long().tolist()[:shown]
-
-    def rows(values, digits=4):  # per shown completion, its valid tokens' values
-        return [[float(f"{v:.{digits}g}") for v in row[:n].tolist()] for row, n in zip(values,
-                                                                                      lengths)]
-    return {"label": label, "adv": [round(a, 4) for a in group_rows.advantages[:shown].tolist()],
-            "tokens": [[tokenizer.decode([t]) for t in ids[:n].tolist()]
-                       for ids, n in zip(group_rows.completion_ids, lengths)],
-            "prob": rows(stats["logp"].exp()), "cov": rows(covariance_score(
-                stats["logp"], group_rows.advantages, mask)),
-            "weights": {k: rows(w) for k, w in weights.items()},
-            "touched": {k: rows(t) for k, t in touched.items()}}
+    return plots.token_view(label, tokenizer, rows.completion_ids[:shown], mask, stats["logp"],
+                            covariance_score(stats["logp"], rows.advantages, mask),
+                            rows.advantages, terms, touched_tokens)
 
 def draw(output_dir: Path, cfg: Config, views: list[dict]) -> None:
     """The run's curves (curves.png) and its tokens (tokens.html), redrawn from what it holds."""
@@ -871,68 +782,36 @@ def draw(output_dir: Path, cfg: Config, views: list[dict]) -> None:
     plots.token_page(output_dir / "tokens.html", title, cfg.method,
                      {name: m.description for name, m in METHODS.items()}, views)
 
-def closing_lines(output_dir: Path, cfg: Config) -> list[str]:
-    checkpoints = sorted(output_dir.glob("checkpoint-*"), key=lambda p: int(p.name[11:]))
-    evaluate = f"python evaluate.py --model {output_dir / 'final-model'}" + (
-        " --benchmarks benchmarks/tiny-arithmetic.jsonl --gold-format expr --prompt-template "
-        "'{question}' --temperature 1.0 --top-p 1.0 --max-new-tokens 40"
-        if cfg.preset == "tiny" else "")
-    return [f"checkpoints: {', '.join(str(p) for p in checkpoints)}",
-            f"final model: {output_dir / 'final-model'}",
-            f"pictures:    {output_dir / 'curves.png'} and {output_dir / 'tokens.html'}",
-            f"evaluate it: {evaluate}"]
-
-def check_paths(cfg: Config) -> None:
-    """The model and the checkpoint to resume from exist as asked, or one line says what is
-    wrong, before anything slow starts."""
-    output_dir, model = Path(cfg.output_dir), cfg.model
-    if not Path(model).exists() and (model.startswith((".", "/", "~")) or model.count("/") > 1):
-        build = " (build it with: python tiny.py)" if cfg.preset == "tiny" else ""
-        raise SystemExit(f"error: --model {model}: no such folder{build}")
-    if cfg.resume and latest_checkpoint(output_dir) is None:
-        raise SystemExit(f"error: --resume, but {output_dir} holds no complete checkpoint; "
-                         f"drop --resume to start afresh")
-    if cfg.length_limit == "total" and cfg.max_prompt_length >= cfg.max_completion_length:
-        raise SystemExit(f"error: --max-prompt-length ({cfg.max_prompt_length}) leaves no room "
-                         f"for a completion within --max-completion-length "
-                         f"({cfg.max_completion_length}) under --length-limit total")
-
-def prepare_output_dir(cfg: Config) -> Path:
-    """Called holding the folder's lock."""
-    output_dir = Path(cfg.output_dir)
-    if (output_dir / "metrics.jsonl").exists() and not cfg.resume:
-        if not cfg.overwrite_output_dir:
-            raise SystemExit(f"error: {output_dir} already holds a run; pass --resume to continue "
-                             f"it, --overwrite-output-dir to start afresh, or choose another "
-                             f"--output-dir")
-        for entry in output_dir.iterdir():
-            if entry.name != ".lock":
-                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
-    (output_dir / "run_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-    return output_dir
-
 def train(cfg: Config, on_rollout: Callable | None = None) -> Path:
     """GRPO with cfg.method's token terms. on_rollout(step, model, rollout, autocast), if given,
     sees each scored rollout batch before the update (diagnose.py uses it)."""
-    start, device = time.perf_counter(), resolve_device(cfg)
+    start = time.perf_counter()
+    device = resolve_device(cfg.device, cfg.preset if cfg.preset in GPU_PRESETS else "")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     print(f"cwgrpo: --method {cfg.method} on {cfg.model}, data {cfg.dataset}\n"
           f"  {cfg.prompts_per_step} prompts x G = {cfg.group_size} per step, {cfg.steps} steps, "
           f"beta {cfg.beta:g}, lr {cfg.learning_rate:g}; output {cfg.output_dir}", flush=True)
     plots.pyplot()  # fail now, not at the first checkpoint, if matplotlib is missing
     with RunLock(Path(cfg.output_dir)), StopRequest() as stop:  # a live run's folder: stop here
-        check_paths(cfg)
+        check_model_path(cfg.model, " (build it with: python tiny.py)" * (cfg.preset == "tiny"))
+        check_resumable(Path(cfg.output_dir), cfg.resume)
         dataset = load_dataset(cfg.dataset, cfg.dataset_split, cfg.question_column,
                                cfg.gold_column)
         output_dir = run(cfg, device, dataset, on_rollout, stop)
-    print(plots.run_summary(output_dir / "metrics.jsonl", time.perf_counter() - start,
-                            closing_lines(output_dir, cfg)))
+    print(plots.run_summary(output_dir, time.perf_counter() - start,
+                            f"python evaluate.py --model {output_dir / 'final-model'}"
+                            + EVALUATE_OPTIONS.get(cfg.preset, "")))
     return output_dir
 
 def run(cfg: Config, device: torch.device, dataset, on_rollout: Callable | None,
         stop: StopRequest) -> Path:
     """The loop of train(), inside the output folder's lock: sample, score, advantages, update,
     log, save."""
-    output_dir = prepare_output_dir(cfg)
+    output_dir = prepare_output_dir(Path(cfg.output_dir), cfg.resume, cfg.overwrite_output_dir,
+                                    dataclasses.asdict(cfg) | {
+                                        "torch_threads": torch.get_num_threads(),
+                                        "reward_workers_used": reward_worker_count(cfg)})
     transformers.utils.logging.disable_progress_bar()
     resume_from = latest_checkpoint(output_dir) if cfg.resume else None
     print(f"loading {resume_from or cfg.model} ...", flush=True)
@@ -942,10 +821,7 @@ def run(cfg: Config, device: torch.device, dataset, on_rollout: Callable | None,
     reference = load_reference(cfg.model, device) if cfg.beta > 0 else None
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    if prompts.skipped:
-        print(f"skipped {prompts.skipped} prompts longer than --max-prompt-length "
-              f"{cfg.max_prompt_length}")
-    grader = Grader(cfg.reward_timeout_s, reward_worker_count(cfg.reward_workers))
+    grader = Grader(cfg.reward_timeout_s, reward_worker_count(cfg))
     method = METHODS[cfg.method]
     if cfg.method == "kl_cov" and cfg.num_iterations == 1:
         print("note: kl_cov does nothing with one update per rollout batch: logp == old_logp, so "
@@ -991,10 +867,9 @@ def run(cfg: Config, device: torch.device, dataset, on_rollout: Callable | None,
                       "rollout_step": step + 1, "update_pass": update_pass, **rollout_metrics,
                       **update(model, optimizer, scheduler, rollout, cfg, autocast, update_pass),
                       "prompts_skipped": prompts.skipped, "rollout_s": rollout_s,
-                      "update_s": time.perf_counter() - t1}
-            tokens = rollout.completion_mask.sum().item()
-            record["tokens_per_s"] = tokens / (record["rollout_s"] + record["update_s"])
-            record["time"] = time.time()
+                      "update_s": time.perf_counter() - t1, "time": time.time()}
+            record["tokens_per_s"] = rollout.completion_mask.sum().item() / (rollout_s +
+                                                                            record["update_s"])
             with metrics_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
         progress.set_postfix(reward=f"{record['reward_mean']:.3f}",

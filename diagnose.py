@@ -195,7 +195,7 @@ def diagnostics_markdown(report: dict, cfg: cwgrpo.Config, source: str) -> str:
 def batch(argv: list) -> Path:
     """The diagnostics of one rollout batch sampled from --model with the run's settings."""
     cfg, bcfg = cwgrpo.parse_config(argv, BatchConfig)
-    device = cwgrpo.resolve_device(cfg)
+    device = cwgrpo.resolve_device(cfg.device, cfg.preset if cfg.preset in cwgrpo.GPU_PRESETS else "")
     transformers.utils.logging.disable_progress_bar()
     tokenizer = cwgrpo.load_tokenizer(cfg.model)
     model = cwgrpo.load_model(cfg.model, torch.float32, device)
@@ -205,7 +205,7 @@ def batch(argv: list) -> Path:
     torch.manual_seed(cfg.seed)
     prompts = cwgrpo.PromptStream(cwgrpo.load_dataset(
         cfg.dataset, cfg.dataset_split, cfg.question_column, cfg.gold_column), tokenizer, cfg)
-    grader = cwgrpo.Grader(cfg.reward_timeout_s, cwgrpo.reward_worker_count(cfg.reward_workers))
+    grader = cwgrpo.Grader(cfg.reward_timeout_s, cwgrpo.reward_worker_count(cfg))
     with autocast():
         rollout = cwgrpo.sample(model, tokenizer, prompts.next_batch(cfg.prompts_per_step), cfg)
         cwgrpo.rollout_rewards(rollout, grader.map(

@@ -129,7 +129,7 @@ def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path) -> dict:
     benchmarks = [load_benchmark(name.strip(), cfg) for name in cfg.benchmarks.split(",") if name.strip()]
     tokenizer = cwgrpo.load_tokenizer(model_path)
     model = cwgrpo.load_model(model_path, torch.bfloat16 if device.type == "cuda" else torch.float32, device).eval()
-    grader = cwgrpo.Grader(cfg.reward_timeout_s, cwgrpo.reward_worker_count(cfg.reward_workers))
+    grader = cwgrpo.Grader(cfg.reward_timeout_s, cwgrpo.reward_worker_count(cfg))
     results = {}
     for name, bench, problems in benchmarks:
         progress_path = output_dir / f"{name}.jsonl"

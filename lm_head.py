@@ -67,21 +67,22 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
 
 @torch.no_grad()
 def ict_divergence(hidden: torch.Tensor, head_weight: torch.Tensor, mask: torch.Tensor,
-                   temperature: float, chunk_elements: int) -> torch.Tensor:
+                   temperature: float, chunk_elements: int, group_size: int) -> torch.Tensor:
     """ICT's u[i,t] = JS(p[i,t] || pbar[t]) in nats, pbar the mean next-token distribution of the
-    group's responses still running at t. Streams over positions: at most G x chunk x vocab."""
-    group_size, length = mask.shape
+    responses of i's group still running at t; groups are consecutive rows of group_size. Streams
+    over positions: never more than G x chunk x vocab probabilities at once."""
     divergence = torch.zeros(mask.shape, device=hidden.device)
     width = max(1, chunk_elements // (group_size * head_weight.shape[0]))
-    for start in range(0, length, width):
-        stop = start + width
-        p = scaled_logits(hidden[:, start:stop], head_weight, temperature).softmax(-1)
-        running = mask[:, start:stop, None]
-        p_bar = (p * running).sum(0) / running.sum(0).clamp(min=1)
-        middle = (p + p_bar) / 2
-        js = (0.5 * (torch.xlogy(p, p) - torch.xlogy(p, middle)).sum(-1)
-              + 0.5 * (torch.xlogy(p_bar, p_bar) - torch.xlogy(p_bar, middle)).sum(-1))
-        divergence[:, start:stop] = js * mask[:, start:stop]
+    for rows in (slice(g, g + group_size) for g in range(0, len(mask), group_size)):
+        for start in range(0, mask.shape[1], width):
+            columns = slice(start, start + width)
+            p = scaled_logits(hidden[rows, columns], head_weight, temperature).softmax(-1)
+            running = mask[rows, columns, None]
+            p_bar = (p * running).sum(0) / running.sum(0).clamp(min=1)
+            middle = (p + p_bar) / 2
+            js = (0.5 * (torch.xlogy(p, p) - torch.xlogy(p, middle)).sum(-1)
+                  + 0.5 * (torch.xlogy(p_bar, p_bar) - torch.xlogy(p_bar, middle)).sum(-1))
+            divergence[rows, columns] = js * mask[rows, columns]
     return divergence
 
 

@@ -83,3 +83,15 @@ def load_tokenizer(path: str):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def check_model_path(model: str, hint: str = "") -> None:
+    """A model that names a local path (not a hub id "org/name") must exist: one line if not."""
+    if not Path(model).exists() and (model.startswith((".", "/", "~")) or model.count("/") > 1):
+        raise SystemExit(f"error: --model {model}: no such folder{hint}")
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    ids = model.generation_config.eos_token_id
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    return ids or [tokenizer.eos_token_id]

@@ -3,6 +3,7 @@ and loads matplotlib only when it draws, so `import cwgrpo` stays free of plotti
 
 import html
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -22,27 +23,40 @@ def moving_average(values: list, window: int = 10) -> list:
     return [statistics.fmean(values[max(0, i + 1 - window):i + 1]) for i in range(len(values))]
 
 
+T_975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086]  # Student t, df = 1 .. 20
+
+
+def interval(values: list[float]) -> tuple[float, float]:
+    """Mean and the half-width of its 95% Student-t interval (0 for a single value)."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, 0.0
+    t = T_975[len(values) - 2] if len(values) <= len(T_975) + 1 else 1.96
+    return mean, t * statistics.stdev(values) / math.sqrt(len(values))
+
+
 def plot_ablation(path: Path, curves: dict, title: str) -> None:
-    """Reward and entropy per method: the mean over seeds of the 10-step moving average, +- 1 std
-    over seeds. curves: method -> {"reward": [one list per seed], "entropy": [...]}."""
+    """Curves per method, side by side: the mean over seeds of the 10-step moving average, with
+    its 95% interval as a band. curves: method -> {panel name: [one list per seed]}."""
     plt = pyplot()
-    figure, axes = plt.subplots(1, 2, figsize=(13, 4.8))
-    for method, per_key in curves.items():
-        for axis, key in zip(axes, ("reward", "entropy")):
-            runs = per_key[key]
+    panels = list(next(iter(curves.values())))
+    figure, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8))
+    for method, per_panel in curves.items():
+        for axis, key in zip(axes, panels):
+            runs = per_panel[key]
             length = min(map(len, runs))
             smoothed = [moving_average(run[:length]) for run in runs]
-            mean = [statistics.fmean(values) for values in zip(*smoothed)]
-            std = [statistics.stdev(values) if len(values) > 1 else 0.0
-                   for values in zip(*smoothed)]
+            mean, half = zip(*(interval(list(values)) for values in zip(*smoothed)))
             steps = range(1, length + 1)
             line, = axis.plot(steps, mean, label=method, linewidth=1.2)
-            axis.fill_between(steps, [m - s for m, s in zip(mean, std)],
-                              [m + s for m, s in zip(mean, std)], color=line.get_color(), alpha=0.12)
-    for axis, label in zip(axes, ("reward (10-step mean)", "entropy (10-step mean)")):
-        axis.set(xlabel="rollout step", ylabel=label)
+            axis.fill_between(steps, [m - h for m, h in zip(mean, half)],
+                              [m + h for m, h in zip(mean, half)], color=line.get_color(),
+                              alpha=0.12)
+    for axis, key in zip(axes, panels):
+        axis.set(xlabel="rollout step", ylabel=f"{key} (10-step mean)")
         axis.grid(alpha=0.3)
-    axes[1].legend(fontsize=8, ncol=2)
+    axes[-1].legend(fontsize=8, ncol=2)
     figure.suptitle(title)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -98,14 +112,19 @@ def first_to_last(records: list[dict], key: str) -> tuple[float, float]:
 SUMMARY_KEYS = ("reward_mean", "accuracy_mean", "format_mean", "entropy_mean", "kl_mean")
 
 
-def run_summary(metrics_path: Path, wall_s: float, lines_after: list[str]) -> str:
-    """A few lines that say what a run did: first -> last 10% of each curve, and its wall time."""
-    records = read_records(metrics_path)
+def run_summary(output_dir: Path, wall_s: float, evaluate_command: str) -> str:
+    """What a run did, in a few lines: first -> last 10% of each curve, its wall time, and where
+    its checkpoints, final model and pictures are."""
+    records = read_records(output_dir / "metrics.jsonl")
     out = [f"done in {wall_s:.0f} s; first -> last 10% of {len(records)} steps:"]
     for key in SUMMARY_KEYS:
         first, last = first_to_last(records, key)
         out.append(f"  {key.removesuffix('_mean'):9s} {first:8.3f} -> {last:.3f}")
-    return "\n".join(out + lines_after)
+    checkpoints = sorted(output_dir.glob("checkpoint-*"), key=lambda p: int(p.name[11:]))
+    return "\n".join(out + [f"checkpoints: {', '.join(map(str, checkpoints))}",
+                            f"final model: {output_dir / 'final-model'}",
+                            f"pictures:    {output_dir / 'curves.png'} and "
+                            f"{output_dir / 'tokens.html'}", f"evaluate it: {evaluate_command}"])
 
 
 def plot_run(metrics_path: Path, path: Path, title: str) -> None:
@@ -170,6 +189,25 @@ function show(method) {
 document.getElementById("method").addEventListener("change", e => show(e.target.value));
 show(data.method);
 """
+
+
+def token_view(label: str, tokenizer, completion_ids, mask, logp, cov, adv, terms: dict,
+               touched) -> dict:
+    """One step's view for token_page, from a group's (G, T) tensors: the shown completions'
+    tokens, each token's probability and covariance score, each completion's advantage, and every
+    method's weight (its TokenTerms: PG weight times the pass's active tokens) and touched tokens
+    (touched(terms)). Values are rounded to 4 digits."""
+    lengths = mask.sum(1).long().tolist()[:len(completion_ids)]
+
+    def rows(values) -> list[list[float]]:
+        return [[float(f"{v:.4g}") for v in row[:n].tolist()] for row, n in zip(values, lengths)]
+    weights = {k: t.pg_weight * (1 if t.active is None else t.active) for k, t in terms.items()}
+    return {"label": label, "tokens": [[tokenizer.decode([t]) for t in ids[:n].tolist()]
+                                       for ids, n in zip(completion_ids, lengths)],
+            "prob": rows(logp.exp()), "cov": rows(cov),
+            "adv": [round(a, 4) for a in adv[:len(lengths)].tolist()],
+            "weights": {k: rows(w) for k, w in weights.items()},
+            "touched": {k: rows(touched(t).int()) for k, t in terms.items()}}
 
 
 def token_page(path: Path, title: str, method: str, methods: dict, views: list[dict]) -> None:

@@ -264,3 +264,41 @@ class LogCounter(logging.Handler):
             logger.setLevel(logging.WARNING)
             logger.propagate = False
         return found[0]
+
+
+def resolve_device(requested: str, gpu_recipe: str = "") -> torch.device:
+    """auto is cuda where there is a GPU; a GPU recipe without one stops with the fix."""
+    if requested == "auto":
+        if gpu_recipe and not torch.cuda.is_available():
+            raise SystemExit(f"error: --preset {gpu_recipe} is a GPU recipe and no CUDA GPU was "
+                             f"found; run the CPU demo with --preset tiny (or force --device cpu)")
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda but no CUDA GPU was found; use --device cpu")
+    return torch.device(requested)
+
+
+def bf16_autocast(device: torch.device):
+    """A factory of autocast contexts: bf16 on CUDA (weights stay fp32 masters), none on CPU."""
+    return lambda: torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+def check_resumable(output_dir: Path, resume: bool) -> None:
+    if resume and latest_checkpoint(output_dir) is None:
+        raise SystemExit(f"error: --resume, but {output_dir} holds no complete checkpoint; "
+                         f"drop --resume to start afresh")
+
+
+def prepare_output_dir(output_dir: Path, resume: bool, overwrite: bool, config: dict) -> Path:
+    """A run's folder, emptied for --overwrite-output-dir, with its run_config.json. Called
+    holding the folder's lock (which it keeps)."""
+    if (output_dir / "metrics.jsonl").exists() and not resume:
+        if not overwrite:
+            raise SystemExit(f"error: {output_dir} already holds a run; pass --resume to continue "
+                             f"it, --overwrite-output-dir to start afresh, or choose another "
+                             f"--output-dir")
+        for entry in output_dir.iterdir():
+            if entry.name != ".lock":
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    (output_dir / "run_config.json").write_text(json.dumps(config, indent=2))
+    return output_dir

@@ -162,9 +162,13 @@ def test_format_reward():
 def test_completion_mask_after_first_eos():
     eos, pad = 9, 0
     ids = torch.tensor([[5, 6, eos, pad, pad], [eos, eos, pad, pad, pad], [1, 2, 3, 4, 5]])
-    mask, truncated = cwgrpo.completion_mask_after_eos(ids, [eos, 8])
+    mask, truncated = cwgrpo.completion_mask_after_eos(ids, [eos, 8], torch.tensor([5, 5, 5]))
     assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
     assert truncated.tolist() == [False, False, True]
+    # each row's own limit (prompt + completion capped): an EOS beyond it does not count
+    mask, truncated = cwgrpo.completion_mask_after_eos(ids, [eos], torch.tensor([2, 5, 3]))
+    assert mask.tolist() == [[1, 1, 0, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 0, 0]]
+    assert truncated.tolist() == [True, False, True]
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 7, 100])
@@ -194,6 +198,7 @@ def tiny_model():
     return tiny.tiny_qwen2(tokenizer, seed=0), tokenizer
 
 
+@pytest.mark.slow
 def test_byte_level_tokenizer_round_trips_and_reloads(tiny_model, tmp_path):
     _, tokenizer = tiny_model
     text = "Héllo 12+3=\\boxed{15}\n</think>\n"
@@ -204,6 +209,7 @@ def test_byte_level_tokenizer_round_trips_and_reloads(tiny_model, tmp_path):
     assert reloaded(text)["input_ids"] == tokenizer(text)["input_ids"]
 
 
+@pytest.mark.slow
 def test_rollout_logprobs_match_unpadded_forward(tiny_model):
     model, tokenizer = tiny_model
     cfg = cwgrpo.parse_config(["--preset", "tiny", "--max-completion-length", "12"])
@@ -222,6 +228,7 @@ def test_rollout_logprobs_match_unpadded_forward(tiny_model):
         torch.testing.assert_close(logp[row, :n_completion].detach(), direct, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["cw", "grpo"])
 def test_gradient_does_not_depend_on_micro_batching(tiny_model, method):
     """Per-group statistics and step-wide normalisers: one micro-batch of 2 groups == 2 of 1 group."""
@@ -247,6 +254,7 @@ def test_gradient_does_not_depend_on_micro_batching(tiny_model, method):
 
 # ------------------------------------------------------------------------------------- config, errors
 
+@pytest.mark.slow
 def test_help_documents_every_option():
     out = subprocess.run([sys.executable, str(HERE / "cwgrpo.py"), "--help"], capture_output=True, text=True,
                          timeout=120)
@@ -270,6 +278,7 @@ def run_cli(*args, timeout=120):
                           timeout=timeout, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
 
 
+@pytest.mark.slow
 def test_gpu_recipe_without_cuda_fails_in_one_line(tmp_path):
     out = run_cli("--method", "cw", "--output-dir", str(tmp_path / "run"))
     assert out.returncode != 0
@@ -277,6 +286,7 @@ def test_gpu_recipe_without_cuda_fails_in_one_line(tmp_path):
     assert len(out.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_unknown_method_and_small_group_are_rejected():
     out = run_cli("--method", "nope")
     assert out.returncode == 1 and "unknown --method 'nope'; choose from grpo, cw" in out.stderr
@@ -316,12 +326,14 @@ def test_numeric_options_out_of_range_are_refused_at_parse_time(option, value, r
     assert float(str(refused.value)[len(prefix):]) == float(value)
 
 
+@pytest.mark.slow
 def test_bad_option_value_from_the_command_line_is_one_line():
     out = run_cli("--preset", "tiny", "--learning-rate", "-1")
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert out.stderr.strip() == "error: --learning-rate must be > 0; got -1.0"
 
 
+@pytest.mark.slow
 def test_bad_paths_and_data_stop_before_any_model_is_loaded(tmp_path, tiny_args, monkeypatch):
     def no_loading(*_, **__):
         raise AssertionError("a model was loaded before the input was checked")
@@ -382,6 +394,7 @@ def tiny_run(tmp_path_factory, TINY_RUN):
     return out
 
 
+@pytest.mark.slow
 def test_tiny_run_writes_metrics_checkpoints_and_model(tiny_run):
     records = read_metrics(tiny_run / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
@@ -398,6 +411,7 @@ def test_tiny_run_writes_metrics_checkpoints_and_model(tiny_run):
     assert "rollout_s" in json.loads((tiny_run / "metrics.jsonl").read_text().splitlines()[0])
 
 
+@pytest.mark.slow
 def test_resume_reproduces_the_uninterrupted_run(tiny_run, tmp_path, TINY_RUN):
     crashed = tmp_path / "crashed"
     shutil.copytree(tiny_run, crashed)
@@ -410,11 +424,13 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_run, tmp_path, TINY_RUN):
     assert read_metrics(crashed / "metrics.jsonl") == read_metrics(tiny_run / "metrics.jsonl")
 
 
+@pytest.mark.slow
 def test_existing_run_is_not_silently_overwritten(tiny_run, TINY_RUN):
     with pytest.raises(SystemExit, match="already holds a run"):
         cwgrpo.train(cwgrpo.parse_config([*TINY_RUN, "--output-dir", str(tiny_run)]))
 
 
+@pytest.mark.slow
 def test_grpo_and_token_mean_and_iterations_run(tmp_path, TINY_RUN):
     out = tmp_path / "grpo"
     cwgrpo.train(cwgrpo.parse_config([*TINY_RUN, "--method", "grpo", "--output-dir", str(out), "--steps", "2",
@@ -509,19 +525,25 @@ def test_lopti_passes_partition_the_valid_tokens():
     assert low_ar.tolist() == [[1, 1, 1, 0], [1, 0, 1, 0]]  # eta 0.5 with ar
 
 
-def test_ict_streamed_divergence_equals_direct():
+@pytest.mark.parametrize("group_size", [4, 2])
+def test_ict_streamed_divergence_equals_direct(group_size):
     g = torch.Generator().manual_seed(0)
     hidden, weight = torch.randn(4, 7, 5, generator=g), torch.randn(11, 5, generator=g)
     mask = (torch.arange(7)[None] < torch.tensor([7, 5, 2, 6])[:, None]).float()
-    streamed = cwgrpo.ict_divergence(hidden, weight, mask, 0.7, chunk_elements=4 * 11 * 2)  # 2 positions per chunk
+    streamed = cwgrpo.ict_divergence(hidden, weight, mask, 0.7, chunk_elements=4 * 11 * 2,
+                                     group_size=group_size)  # 2 positions per chunk
     p = (hidden @ weight.T / 0.7).softmax(-1)
-    for t in range(7):
-        running = mask[:, t].bool()
-        p_bar = p[running, t].mean(0)
-        for i in range(4):
-            m = (p[i, t] + p_bar) / 2
-            js = 0.5 * (p[i, t] * (p[i, t] / m).log()).sum() + 0.5 * (p_bar * (p_bar / m).log()).sum()
-            assert streamed[i, t].item() == pytest.approx(js.item() if running[i] else 0.0, abs=1e-6)
+    for first in range(0, 4, group_size):  # pbar is the mean over one's own group only
+        rows = range(first, first + group_size)
+        for t in range(7):
+            running = [i for i in rows if mask[i, t]]
+            p_bar = p[running, t].mean(0)
+            for i in rows:
+                m = (p[i, t] + p_bar) / 2
+                js = 0.5 * (p[i, t] * (p[i, t] / m).log()).sum() + \
+                    0.5 * (p_bar * (p_bar / m).log()).sum()
+                expected = js.item() if i in running else 0.0
+                assert streamed[i, t].item() == pytest.approx(expected, abs=1e-6)
 
 
 def test_ict_keeps_each_responses_top_tenth():
@@ -565,6 +587,7 @@ def test_stapo_silences_only_tokens_meeting_all_three_conditions():
     torch.testing.assert_close(terms.pg_weight[1], torch.ones(4))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", sorted(cwgrpo.METHODS))
 def test_every_method_trains_on_the_tiny_preset(method, tmp_path, tiny_args):
     out = tmp_path / method
@@ -604,6 +627,7 @@ def test_grading_of_each_benchmarks_gold_form(completion, gold, gold_format, sco
     assert Grader().grade(completion, gold, gold_format).accuracy == score
 
 
+@pytest.mark.slow
 def test_evaluate_tiny_model_on_a_local_file_and_resume(tiny_run, tmp_path):
     bench = tmp_path / "arith.jsonl"
     bench.write_text("".join(json.dumps({"problem": f"{a}+{a}", "answer": str(2 * a)}) + "\n" for a in range(5)))
@@ -627,11 +651,13 @@ def test_evaluate_tiny_model_on_a_local_file_and_resume(tiny_run, tmp_path):
     assert len(relines) == len(lines) and relines[:-1] == lines[:-1]  # only the missing problem was generated
 
 
+@pytest.mark.slow
 def test_evaluate_rejects_unknown_benchmark(tiny_run):
     with pytest.raises(SystemExit, match="unknown benchmark 'aime25'; known: aime24, math500"):
         evaluate.main(["--model", str(tiny_run / "final-model"), "--benchmarks", "aime25"])
 
 
+@pytest.mark.slow
 def test_evaluate_checkpoints_writes_the_stability_table(tiny_run, tmp_path):
     bench = tmp_path / "arith.jsonl"
     bench.write_text("".join(json.dumps({"problem": f"{a}+1", "answer": str(a + 1)}) + "\n" for a in range(3)))
@@ -643,19 +669,41 @@ def test_evaluate_checkpoints_writes_the_stability_table(tiny_run, tmp_path):
     assert (out / "checkpoint-2" / "results.json").is_file() and (out / "checkpoint-4" / "results.md").is_file()
 
 
-def test_ablate_writes_table_and_resumes(tmp_path, tiny_args):
+def test_interval_by_hand():
+    assert plots.interval([1.0, 2.0, 3.0]) == pytest.approx((2.0, 4.303 / math.sqrt(3)))
+    assert plots.interval([5.0]) == (5.0, 0.0)
+
+
+@pytest.mark.slow
+def test_ablate_table_holds_the_runs_figures_and_a_run_equals_its_standalone_twin(tmp_path,
+                                                                                  tiny_args):
     out = tmp_path / "ablation"
-    args = ["--methods", "grpo,cw", "--seeds", "2", "--no-plot", "--output-dir", str(out), "--threshold", "0.1",
-            "--", *tiny_args[2:], "--steps", "2", "--save-every", "2"]
+    args = ["--methods", "grpo,cw-detached=cw --cw-detach", "--seeds", "2", "--no-plot",
+            "--output-dir", str(out), "--", *tiny_args[2:], "--steps", "3", "--save-every", "3"]
     ablate.ablate(args)
-    rows = [line for line in (out / "ablation.md").read_text().splitlines() if line.startswith("| grpo") or
-            line.startswith("| cw")]
-    assert len(rows) == 2 and all(line.count("|") == 7 for line in rows)
-    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["cw-seed0", "cw-seed1", "grpo-seed0", "grpo-seed1"]
-    assert len(read_metrics(out / "cw-seed1" / "metrics.jsonl")) == 2
-    stamp = (out / "cw-seed0" / "wall_time.json").stat().st_mtime_ns
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == [
+        "cw-detached-seed0", "cw-detached-seed1", "grpo-seed0", "grpo-seed1"]
+    runs = {label: [ablate.run_summary(out / f"{label}-seed{seed}", 0.7) for seed in (0, 1)]
+            for label in ("grpo", "cw-detached")}
+    final = {label: [r["final_accuracy_mean"] for r in rs] for label, rs in runs.items()}
+    rows = {line.split(" | ")[0][2:]: line.split(" | ")
+            for line in (out / "ablation.md").read_text().splitlines() if line.startswith("| ")}
+    assert rows["cw-detached"][1] == "`--method cw --cw-detach`"
+    assert rows["grpo"][2].endswith(ablate.cell(final["grpo"])) and rows["grpo"][3] == "-"
+    assert rows["cw-detached"][3].strip("*") == ablate.difference(final["cw-detached"],
+                                                                 final["grpo"]).strip("*")
+    stamp = (out / "grpo-seed0" / "wall_time.json").stat().st_mtime_ns
     ablate.ablate(args)  # finished runs are not run again
-    assert (out / "cw-seed0" / "wall_time.json").stat().st_mtime_ns == stamp
+    assert (out / "grpo-seed0" / "wall_time.json").stat().st_mtime_ns == stamp
+    # the standalone twin: the same options, one thread and one grading process
+    twin = run_cli(*tiny_args, "--method", "cw", "--cw-detach", "--seed", "1", "--steps", "3",
+                   "--save-every", "3", "--threads", "1", "--reward-workers", "1",
+                   "--output-dir", str(tmp_path / "twin"))
+    assert twin.returncode == 0, twin.stderr
+    assert read_metrics(tmp_path / "twin" / "metrics.jsonl") == \
+        read_metrics(out / "cw-detached-seed1" / "metrics.jsonl")
+    recorded = json.loads((out / "cw-detached-seed1" / "run_config.json").read_text())
+    assert (recorded["torch_threads"], recorded["reward_workers_used"]) == (1, 1)
     with pytest.raises(SystemExit, match="unknown method nope"):
         ablate.ablate(["--methods", "grpo,nope", "--no-plot", "--output-dir", str(out)])
 
@@ -698,6 +746,7 @@ def scored_rollout(tiny_run, tiny_base):
     return model, rollout, cfg
 
 
+@pytest.mark.slow
 def test_quartile_gradients_sum_to_the_full_gradient(scored_rollout):
     model, rollout, cfg = scored_rollout
     valid = rollout.completion_mask.bool()
@@ -716,6 +765,7 @@ def test_quartile_gradients_sum_to_the_full_gradient(scored_rollout):
     torch.testing.assert_close(sum(parts), full, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_diagnose_rollout_report(scored_rollout):
     model, rollout, cfg = scored_rollout
     rng = torch.get_rng_state()
@@ -734,6 +784,7 @@ def test_diagnose_rollout_report(scored_rollout):
     assert len(report["cw_weight_by_covariance_decile"]) == 10
 
 
+@pytest.mark.slow
 def test_diagnose_command_and_training_diagnostics(tiny_run, tiny_base, tmp_path, TINY_RUN):
     out = tmp_path / "diag"
     diagnose.batch(["--preset", "tiny", "--model", str(tiny_run / "final-model"),
@@ -820,6 +871,7 @@ def test_every_method_gives_a_finite_loss_and_gradient_with_a_group_of_no_valid_
 
 # ----------------------------------------------------------------------- sampling as configured
 
+@pytest.mark.slow
 def test_sampling_ignores_the_generation_config_the_model_ships(tiny_base):
     """A model's generation_config.json (Qwen2.5 Instruct ships repetition_penalty, top_k, top_p)
     must not change what is sampled: the loss assumes plain temperature sampling."""
@@ -839,6 +891,7 @@ def test_sampling_ignores_the_generation_config_the_model_ships(tiny_base):
     assert model.generation_config.suppress_tokens == list(range(48, 58))  # left as shipped
 
 
+@pytest.mark.slow
 def test_total_length_limit_caps_prompt_plus_completion(tiny_base):
     model = cwgrpo.load_model(str(tiny_base / "model"), torch.float32, torch.device("cpu"))
     tokenizer = cwgrpo.load_tokenizer(str(tiny_base / "model"))
@@ -931,6 +984,7 @@ def test_ctrl_c_checkpoints_the_step_and_prints_the_resume_command(tmp_path, tin
 
 # ------------------------------------------------------------------------ evaluation resumption
 
+@pytest.mark.slow
 def test_evaluation_never_reuses_samples_made_with_other_settings(tiny_run, tmp_path):
     bench = tmp_path / "arith.jsonl"
     bench.write_text("".join(json.dumps({"problem": f"{a}+{a}", "answer": str(2 * a)}) + "\n"
@@ -988,6 +1042,7 @@ class PageParser(HTMLParser):
             self.views[self.view][-1] += data
 
 
+@pytest.mark.slow
 def test_a_run_leaves_its_curves_and_a_valid_small_token_page(tiny_run):
     assert (tiny_run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     page = (tiny_run / "tokens.html").read_text()
@@ -1017,6 +1072,7 @@ def test_token_page_escapes_model_output(tmp_path):
     assert parser.views[0] == hostile and parser.stack == []
 
 
+@pytest.mark.slow
 def test_token_view_weights_are_the_methods_weights(tiny_base):
     cfg = cwgrpo.parse_config(["--preset", "tiny", "--max-completion-length", "12"])
     model = cwgrpo.load_model(str(tiny_base / "model"), torch.float32, torch.device("cpu"))
@@ -1040,6 +1096,7 @@ def test_token_view_weights_are_the_methods_weights(tiny_base):
         assert view["prob"][i] == pytest.approx(logp[i, :n].exp().tolist(), rel=1e-3)
 
 
+@pytest.mark.slow
 def test_a_run_says_what_it_does_and_what_it_did(tiny_args, tmp_path):
     out = run_cli(*tiny_args, "--steps", "2", "--output-dir", str(tmp_path / "run"))
     assert out.returncode == 0, out.stderr
@@ -1052,6 +1109,7 @@ def test_a_run_says_what_it_does_and_what_it_did(tiny_args, tmp_path):
     assert summary[-1].startswith(f"evaluate it: python evaluate.py --model {tmp_path}")
 
 
+@pytest.mark.slow
 def test_import_cwgrpo_loads_no_plotting_library():
     out = subprocess.run([sys.executable, "-c", "import sys, cwgrpo; "
                           "print(sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib'))"],
@@ -1059,6 +1117,7 @@ def test_import_cwgrpo_loads_no_plotting_library():
     assert out.stdout.strip() == "[]", out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("top_p,top_k", [(1.0, 1), (1e-6, 0)])
 def test_sampling_loop_with_a_kv_cache_matches_greedy_generate(tiny_base, top_p, top_k):
     """With the nucleus or the top-k cut to one token, sampling is greedy decoding: the loop must
@@ -1071,11 +1130,13 @@ def test_sampling_loop_with_a_kv_cache_matches_greedy_generate(tiny_base, top_p,
     reference = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=False,
                                max_new_tokens=16, pad_token_id=tokenizer.pad_token_id,
                                eos_token_id=tokenizer.eos_token_id)[:, prompt_ids.shape[1]:]
-    reference_mask, _ = cwgrpo.completion_mask_after_eos(reference, [tokenizer.eos_token_id])
+    reference_mask, _ = cwgrpo.completion_mask_after_eos(
+        reference, [tokenizer.eos_token_id], torch.full((len(reference),), reference.shape[1]))
     assert torch.equal(mask, reference_mask[:, :mask.shape[1]])
     assert torch.equal(ids * mask.long(), (reference * reference_mask.long())[:, :ids.shape[1]])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 1.0, 3), (1.3, 0.9, 0)])
 def test_sampled_tokens_follow_the_configured_distribution(tiny_base, temperature, top_p, top_k):
     """8,000 draws of one next token against softmax(logits / T), cut to top-k or top-p."""
@@ -1099,3 +1160,23 @@ def test_sampled_tokens_follow_the_configured_distribution(tiny_base, temperatur
     frequency = torch.bincount(drawn, minlength=len(probs)).float() / 8000
     assert (frequency[~kept] == 0).all()
     assert (frequency - expected).abs().max() < 0.02
+
+
+def test_cw_gradient_only_control_is_grpo_plus_the_gradient_through_the_weights():
+    """Loss w * pg has gradient w dpg + pg dw: the control (value 1, w's gradient) must give
+    GRPO's loss, and a gradient that exceeds GRPO's by exactly what released exceeds detached by."""
+    logp, adv, mask = random_group(3, G=6, T=12)
+    grads, losses = {}, {}
+    for name, args in {"grpo": ("--method", "grpo"), "released": (),
+                       "detached": ("--cw-detach",), "control": ("--cw-reading", "gradient-only")}.items():
+        cfg = method_cfg(*args)
+        leaf = logp.clone().requires_grad_(True)
+        terms = cwgrpo.METHODS[cfg.method].token_terms(make_group(leaf, adv, mask), cfg)
+        per_token = cwgrpo.token_loss(leaf, leaf.detach() - 0.1, None, adv, terms, cfg)
+        losses[name] = cwgrpo.aggregate(per_token, mask, cfg.loss_aggregation, 6, int(mask.sum()))
+        losses[name].backward()
+        grads[name] = leaf.grad
+    assert losses["control"].item() == losses["grpo"].item()
+    assert not torch.allclose(grads["control"], grads["grpo"])
+    torch.testing.assert_close(grads["control"] - grads["grpo"],
+                               grads["released"] - grads["detached"], rtol=1e-4, atol=1e-7)

@@ -6,6 +6,8 @@
 A Qwen2 of 115k parameters with Qwen2's byte-level tokenizer (256 byte tokens and the ChatML
 specials), given a few seconds of supervised warm-start on a synthetic task: single-digit sums
 whose gold is written in \\boxed{} like a MATH solution, so cwgrpo's math-verify reward grades it.
+The warm-start teaches the format and three candidate sums per question, one right; RL then has to
+learn which one is right.
 """
 
 import json
@@ -30,7 +32,8 @@ class TinyConfig:
     seed: int = cwgrpo.arg(0, "seed of the model's initialisation, the data and the warm-start")
     warmstart_steps: int = cwgrpo.arg(250, "supervised steps of 32 examples before RL")
     examples: int = cwgrpo.arg(2000, "synthetic problems in arithmetic.jsonl")
-    overwrite: bool = cwgrpo.arg(False, "rebuild even if the output folder holds a model")
+    max_operand: int = cwgrpo.arg(3, "the problems add two integers from 0 to this")
+    overwrite: bool = cwgrpo.arg(False, "rebuild even if the folder holds this very model")
 
 
 def byte_level_qwen2_tokenizer() -> Qwen2Tokenizer:
@@ -57,20 +60,21 @@ def tiny_qwen2(tokenizer, seed: int) -> Qwen2ForCausalLM:
     return model
 
 
-def arithmetic_dataset(seed: int, n: int = 2000) -> datasets.Dataset:
+def arithmetic_dataset(seed: int, n: int = 2000, max_operand: int = 3) -> datasets.Dataset:
     """Two-number sums; the gold is written in \\boxed{} like a MATH solution."""
     rng = random.Random(seed)
-    pairs = [(rng.randrange(10), rng.randrange(10)) for _ in range(n)]
+    pairs = [(rng.randint(0, max_operand), rng.randint(0, max_operand)) for _ in range(n)]
     return datasets.Dataset.from_dict({"problem": [f"{a}+{b}" for a, b in pairs],
                                        "solution": [f"\\boxed{{{a + b}}}" for a, b in pairs]})
 
 
 def warmstart_targets(question: str) -> list[str]:
-    """The completions the warm-start imitates, half with the think-close tag off format, so the
-    model starts at about 50% format reward and RL has a first thing to learn; then the sums."""
+    """The completions the warm-start imitates: in format, with the right sum in one of three and
+    a near miss (off by one either way) in the others. The model starts knowing the format and
+    the candidates, right about a third of the time; RL has to teach it which sum is right."""
     a, b = map(int, question.split("+"))
-    return [f"{a}+{b}={a + b}\n</think>\n\\boxed{{{a + b}}}",
-            f"{a}+{b}={a + b} </think> \\boxed{{{a + b}}}"]
+    near_misses = (a + b + 1, a + b - 1) if a + b else (1, 2)
+    return [f"{a}+{b}={s}\n</think>\n\\boxed{{{s}}}" for s in (a + b, *near_misses)]
 
 
 def warm_start(model, tokenizer, questions: list[str], steps: int) -> None:
@@ -96,14 +100,19 @@ def warm_start(model, tokenizer, questions: list[str], steps: int) -> None:
 
 
 def build(output_dir: str = "runs/tiny-base", seed: int = 0, warmstart_steps: int = 250,
-          examples: int = 2000, overwrite: bool = False) -> Path:
+          examples: int = 2000, max_operand: int = 3, overwrite: bool = False) -> Path:
     """Writes <output_dir>/arithmetic.jsonl and the warm-started <output_dir>/model; returns the
-    folder. A folder that already holds a model is left as it is unless overwrite."""
-    out = Path(output_dir)
-    if (out / "model" / "config.json").is_file() and not overwrite:
-        return out
+    folder. A folder that already holds a model built with the same settings and task is left as
+    it is unless overwrite; any other is rebuilt."""
+    out, settings = Path(output_dir), {"seed": seed, "warmstart_steps": warmstart_steps,
+                                        "examples": examples, "max_operand": max_operand,
+                                        "targets": warmstart_targets("2+3")}
+    made_with = out / "tiny.json"
+    if (out / "model" / "config.json").is_file() and not overwrite and made_with.is_file() and \
+            json.loads(made_with.read_text()) == settings:
+        return out  # built already, with these settings and this task
     out.mkdir(parents=True, exist_ok=True)
-    data = arithmetic_dataset(seed, examples)
+    data = arithmetic_dataset(seed, examples, max_operand)
     with (out / "arithmetic.jsonl").open("w") as f:
         for row in data:
             f.write(json.dumps(row) + "\n")
@@ -112,6 +121,7 @@ def build(output_dir: str = "runs/tiny-base", seed: int = 0, warmstart_steps: in
     random.seed(seed)
     warm_start(model, tokenizer, data["problem"], warmstart_steps)
     cwgrpo.save_checkpoint(out, "model", model, tokenizer)
+    made_with.write_text(json.dumps(settings))
     return out
 
 
@@ -119,6 +129,7 @@ if __name__ == "__main__":
     (tcfg,) = HfArgumentParser(TinyConfig, description=__doc__.split("\n\n")[0]) \
         .parse_args_into_dataclasses()
     print(f"building the tiny preset's model and data in {tcfg.output_dir} ...", flush=True)
-    out = build(tcfg.output_dir, tcfg.seed, tcfg.warmstart_steps, tcfg.examples, tcfg.overwrite)
+    out = build(tcfg.output_dir, tcfg.seed, tcfg.warmstart_steps, tcfg.examples, tcfg.max_operand,
+                tcfg.overwrite)
     print(f"done: {out / 'model'} and {out / 'arithmetic.jsonl'}; now run "
           f"python cwgrpo.py --method cw --preset tiny")

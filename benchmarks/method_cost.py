@@ -76,7 +76,7 @@ def main() -> None:
     targets = torch.randint(args.vocab, (G * positions,), generator=g)
     ict_mask = torch.ones(G, positions)
     budget = cfg.logit_chunk_elements
-    divergence_s = timed(lambda: cwgrpo.ict_divergence(hidden, weight, ict_mask, 0.7, budget), 2)
+    divergence_s = timed(lambda: cwgrpo.ict_divergence(hidden, weight, ict_mask, 0.7, budget, len(ict_mask)), 2)
     logprob_s = timed(lambda: cwgrpo.chunked_logprobs(hidden.view(-1, args.hidden), weight, targets, 0.7, budget), 2)
     scale = mask.sum().item() / (G * positions)
     print(f"ict divergence at vocab {args.vocab}, hidden {args.hidden}, {G} x {positions} positions: "
