@@ -125,15 +125,15 @@ def ablate(argv: list) -> Path:
     output_dir.mkdir(parents=True, exist_ok=True)
     runs = [(label, seed, output_dir / f"{label}-seed{seed}") for label in methods
             for seed in range(acfg.seeds)]
-    start = time.perf_counter()
-    with ThreadPoolExecutor(acfg.workers or os.cpu_count() or 1) as pool:
+    workers = acfg.workers or os.cpu_count() or 1
+    with ThreadPoolExecutor(workers) as pool:
         jobs = [pool.submit(run_one, label, methods[label], seed, run_dir, acfg, run_args)
                 for label, seed, run_dir in runs]
         for job in tqdm(jobs, desc="ablation"):
             job.result()
     summaries = {label: [run_summary(d, acfg.threshold) for lb, _, d in runs if lb == label]
                  for label in methods}
-    table = ablation_table(summaries, methods, acfg, run_args, time.perf_counter() - start)
+    table = ablation_table(summaries, methods, acfg, run_args, workers)
     for stem in filter(None, (output_dir / "ablation", acfg.publish and Path(acfg.publish))):
         Path(stem).parent.mkdir(parents=True, exist_ok=True)
         Path(f"{stem}.md").write_text(table)
@@ -146,12 +146,13 @@ def ablate(argv: list) -> Path:
 
 
 def ablation_table(summaries: dict, methods: dict, acfg: AblationConfig, run_args: list,
-                   wall_s: float) -> str:
+                   workers: int) -> str:
     seeds, options = acfg.seeds, f" -- {shlex.join(run_args)}" if run_args else ""
     baseline = summaries.get("grpo")
+    run_minutes = sum(r["wall_s"] for runs in summaries.values() for r in runs) / 60
     lines = [f"`python ablate.py --methods {shlex.quote(acfg.methods)} --seeds {seeds} --preset "
-             f"{acfg.preset}{options}`: {len(methods) * seeds} runs, this invocation "
-             f"{wall_s / 60:.1f} min (runs it found finished are not counted).", "",
+             f"{acfg.preset}{options}`: {len(methods) * seeds} runs, {run_minutes:.0f} minutes of "
+             f"run time in all, {workers} at a time.", "",
              f"Mean ± half-width of the 95% Student-t interval over seeds 0-{seeds - 1}. First and "
              f"final figures are means over the first and last 10% of rollout steps. Δ is the "
              f"paired difference from grpo over the same seeds, **bold** where its interval "
@@ -159,8 +160,8 @@ def ablation_table(summaries: dict, methods: dict, acfg: AblationConfig, run_arg
              f"{acfg.threshold}' is the first rollout step whose 10-step mean accuracy reaches it "
              f"(seeds that never do are left out and counted).", "",
              f"| method | options | accuracy first → final | Δ final accuracy | final format | "
-             f"Δ format | final entropy | Δ entropy | steps to {acfg.threshold} | wall s | "
-             f"touched |", "|---" * 11 + "|"]
+             f"Δ format | entropy first → final | Δ final entropy | steps to {acfg.threshold} | "
+             f"wall s | touched |", "|---" * 11 + "|"]
     for label, runs in summaries.items():
         def values(key):
             return [r[key] for r in runs]
@@ -176,6 +177,7 @@ def ablation_table(summaries: dict, methods: dict, acfg: AblationConfig, run_arg
             f"{statistics.fmean(values('first_accuracy_mean')):.3f} → "
             f"{cell(values('final_accuracy_mean'))} | {delta('final_accuracy_mean')} | "
             f"{cell(values('final_format_mean'))} | {delta('final_format_mean')} | "
+            f"{statistics.fmean(values('first_entropy_mean')):.3f} → "
             f"{cell(values('final_entropy_mean'))} | {delta('final_entropy_mean')} | {steps} | "
             f"{cell(values('wall_s'), 0)} | "
             f"{100 * statistics.fmean(values('touched_frac')):.1f}% |")

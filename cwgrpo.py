@@ -175,8 +175,7 @@ PRESETS = {
 }
 GPU_PRESETS = ("paper-1.5b", "paper-7b")
 EVALUATE_OPTIONS = {"tiny": " --benchmarks benchmarks/tiny-arithmetic.jsonl --gold-format expr "
-                            "--prompt-template '{question}' --temperature 1.0 --top-p 1.0 "
-                            "--max-new-tokens 40"}
+                            "--prompt-template '{question}' --top-p 1.0 --max-new-tokens 40"}
 
 def parse_config(argv=None, *extra_dataclasses):
     """The run's Config (and those of extra dataclasses a tool adds): the preset's values as
@@ -770,9 +769,10 @@ def token_view(model, tokenizer, rollout: Rollout, cfg: Config, label: str, show
                   batch_entropy=stats["entropy"][mask.bool()].sort().values, update_pass=0)
     terms = {name: method.token_terms(group, cfg) for name, method in METHODS.items()}
     set_rng_states(rng)
+    weights = {k: t.pg_weight * (1 if t.active is None else t.active) for k, t in terms.items()}
     return plots.token_view(label, tokenizer, rows.completion_ids[:shown], mask, stats["logp"],
-                            covariance_score(stats["logp"], rows.advantages, mask),
-                            rows.advantages, terms, touched_tokens)
+                            covariance_score(stats["logp"], rows.advantages, mask), rows.advantages,
+                            weights, {k: touched_tokens(t) for k, t in terms.items()})
 
 def draw(output_dir: Path, cfg: Config, views: list[dict]) -> None:
     """The run's curves (curves.png) and its tokens (tokens.html), redrawn from what it holds."""

@@ -1,5 +1,6 @@
-"""plots.py: every figure cwgrpo draws. It knows nothing of cwgrpo (cwgrpo.py's loop may call it)
-and loads matplotlib only when it draws, so `import cwgrpo` stays free of plotting libraries."""
+"""plots.py: what cwgrpo shows a person: its figures, the token page, a run's summary, and the
+intervals they draw. It knows nothing of cwgrpo (cwgrpo.py's loop calls it) and loads matplotlib
+only when it draws, so `import cwgrpo` stays free of plotting libraries."""
 
 import html
 import json
@@ -191,23 +192,21 @@ show(data.method);
 """
 
 
-def token_view(label: str, tokenizer, completion_ids, mask, logp, cov, adv, terms: dict,
-               touched) -> dict:
+def token_view(label: str, tokenizer, completion_ids, mask, logp, cov, adv, weights: dict,
+               touched: dict) -> dict:
     """One step's view for token_page, from a group's (G, T) tensors: the shown completions'
-    tokens, each token's probability and covariance score, each completion's advantage, and every
-    method's weight (its TokenTerms: PG weight times the pass's active tokens) and touched tokens
-    (touched(terms)). Values are rounded to 4 digits."""
+    tokens (as many as completion_ids has), each token's probability, covariance score and every
+    method's weight and touched flag, and each completion's advantage; rounded to 4 digits."""
     lengths = mask.sum(1).long().tolist()[:len(completion_ids)]
 
     def rows(values) -> list[list[float]]:
         return [[float(f"{v:.4g}") for v in row[:n].tolist()] for row, n in zip(values, lengths)]
-    weights = {k: t.pg_weight * (1 if t.active is None else t.active) for k, t in terms.items()}
     return {"label": label, "tokens": [[tokenizer.decode([t]) for t in ids[:n].tolist()]
                                        for ids, n in zip(completion_ids, lengths)],
             "prob": rows(logp.exp()), "cov": rows(cov),
             "adv": [round(a, 4) for a in adv[:len(lengths)].tolist()],
             "weights": {k: rows(w) for k, w in weights.items()},
-            "touched": {k: rows(touched(t).int()) for k, t in terms.items()}}
+            "touched": {k: rows(t.int()) for k, t in touched.items()}}
 
 
 def token_page(path: Path, title: str, method: str, methods: dict, views: list[dict]) -> None:

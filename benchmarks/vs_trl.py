@@ -1,11 +1,12 @@
 """Training speed of cwgrpo.py against TRL's GRPOTrainer on the same tiny model, task, reward and batch.
 
-    pip install trl            # not a project requirement; TRL 1.16 was measured
-    python benchmarks/vs_trl.py --steps 30 --rounds 2
+    pip install trl==1.16.0    # not a project requirement; TRL 1.16 was measured
+    python benchmarks/vs_trl.py --steps 30 --rounds 2 --betas 0,0.04
 
 Both start from the same warm-started tiny Qwen2 (the tiny preset's base model), train GRPO on the tiny
 arithmetic task with the same reward (cwgrpo's math-verify accuracy + format), prompts x G completions
-per step, the same generation limit, temperature, learning rate, beta = 0 and one update per batch.
+per step, the same generation limit, temperature, learning rate and one update per batch, at each beta
+(0: no reference model; 0.04, the paper's: a reference model and the k3 KL on both sides).
 Runs alternate (cwgrpo, TRL, cwgrpo, TRL, ...), each in its own process with the same threads. Speed counts
 steps 2 to N from per-step timestamps (set-up and the first step left out, for both); the script prints
 steps/s of each, the ratio, and each process's peak resident memory.
@@ -35,7 +36,8 @@ def run_cwgrpo(args, base_model: Path, out: Path) -> list[float]:
     s = shared_settings(args)
     cfg = cwgrpo.parse_config([
         "--preset", "tiny", "--method", "grpo", "--model", str(base_model),
-        "--dataset", str(base_model.parent / "arithmetic.jsonl"), "--beta", "0", "--steps", str(args.steps),
+        "--dataset", str(base_model.parent / "arithmetic.jsonl"), "--beta", str(args.beta),
+        "--steps", str(args.steps),
         "--save-every", str(10 ** 9), "--group-size", str(s["group_size"]), "--prompts-per-step", str(s["prompts_per_step"]),
         "--groups-per-micro-batch", str(s["prompts_per_step"]), "--output-dir", str(out / "cwgrpo")])
     cwgrpo.train(cfg)
@@ -62,7 +64,7 @@ def run_trl(args, base_model: Path, out: Path) -> list[float]:
         output_dir=str(out / "trl"), max_steps=args.steps, per_device_train_batch_size=s["prompts_per_step"] * s["group_size"],
         gradient_accumulation_steps=1, num_generations=s["group_size"], max_completion_length=s["max_completion_length"],
         temperature=s["temperature"], top_k=0, top_p=1.0, learning_rate=s["learning_rate"], lr_scheduler_type="cosine",
-        warmup_steps=0.05, beta=0.0, num_iterations=1, loss_type="grpo", max_grad_norm=1.0, use_cpu=True, bf16=False,
+        warmup_steps=0.05, beta=args.beta, num_iterations=1, loss_type="grpo", max_grad_norm=1.0, use_cpu=True, bf16=False,
         report_to="none", save_strategy="no", logging_steps=10 ** 9, seed=s["seed"], disable_tqdm=True)
     tokenizer = AutoTokenizer.from_pretrained(base_model, padding_side="left")
     step_ends = []
@@ -86,6 +88,8 @@ def main() -> None:
     parser.add_argument("--trl-reward-workers", type=int, default=1,
                         help="grading processes for TRL's reward function (cwgrpo uses --reward-workers' default: "
                              "one per core); 1 is how a TRL reward function grades, one completion after another")
+    parser.add_argument("--betas", default="0,0.04", help="KL coefficients to measure, each in turn")
+    parser.add_argument("--beta", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--trainer", choices=["cwgrpo", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--base-model", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -101,25 +105,32 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         base_model = tiny.build(tmp) / "model"
         print(f"{args.steps} steps of {args.prompts} prompts x G = {args.group_size}, up to 40 new tokens, "
-              f"beta 0, one update per batch, {os.cpu_count()} CPU threads, TRL {version('trl')}, "
+              f"one update per batch, {os.cpu_count()} CPU threads, TRL {version('trl')}, "
               f"transformers {version('transformers')}, torch {version('torch')}")
-        results = {"cwgrpo": [], "trl": []}
-        for round_index in range(args.rounds):
-            for trainer in ("cwgrpo", "trl"):
-                done = subprocess.run([sys.executable, __file__, "--trainer", trainer, "--base-model", str(base_model),
-                                       "--steps", str(args.steps), "--prompts", str(args.prompts),
-                                       "--group-size", str(args.group_size),
-                                       "--trl-reward-workers", str(args.trl_reward_workers)],
-                                      capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-                if done.returncode:
-                    sys.exit(f"{trainer} failed:\n{done.stderr[-3000:]}")
-                result = json.loads(done.stdout.strip().splitlines()[-1])
-                results[trainer].append(result)
-                print(f"round {round_index + 1} {trainer:6s}: {result['steps'] / result['seconds']:.3f} steps/s "
-                      f"({result['seconds']:.1f} s), peak RSS {result['peak_rss_mib']:.0f} MiB")
-    speed = {k: sum(r["steps"] for r in v) / sum(r["seconds"] for r in v) for k, v in results.items()}
-    print(f"cwgrpo {speed['cwgrpo']:.3f} steps/s, TRL {speed['trl']:.3f} steps/s: cwgrpo / TRL = "
-          f"{speed['cwgrpo'] / speed['trl']:.2f} (goal >= 1.5)")
+        ratios = {}
+        for beta in map(float, args.betas.split(",")):
+            results = {"cwgrpo": [], "trl": []}
+            for round_index in range(args.rounds):
+                for trainer in ("cwgrpo", "trl"):
+                    done = subprocess.run([sys.executable, __file__, "--trainer", trainer, "--base-model",
+                                           str(base_model), "--steps", str(args.steps), "--prompts",
+                                           str(args.prompts), "--group-size", str(args.group_size),
+                                           "--trl-reward-workers", str(args.trl_reward_workers),
+                                           "--beta", str(beta)], capture_output=True, text=True,
+                                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+                    if done.returncode:
+                        sys.exit(f"{trainer} failed:\n{done.stderr[-3000:]}")
+                    result = json.loads(done.stdout.strip().splitlines()[-1])
+                    results[trainer].append(result)
+                    print(f"beta {beta:g} round {round_index + 1} {trainer:6s}: "
+                          f"{result['steps'] / result['seconds']:.3f} steps/s ({result['seconds']:.1f} s), "
+                          f"peak RSS {result['peak_rss_mib']:.0f} MiB")
+            speed = {k: sum(r["steps"] for r in v) / sum(r["seconds"] for r in v) for k, v in results.items()}
+            ratios[beta] = [c["steps"] / c["seconds"] / (t["steps"] / t["seconds"])
+                            for c, t in zip(results["cwgrpo"], results["trl"])]
+            print(f"beta {beta:g}: cwgrpo {speed['cwgrpo']:.3f} steps/s, TRL {speed['trl']:.3f} steps/s: "
+                  f"cwgrpo / TRL = {speed['cwgrpo'] / speed['trl']:.2f} (per round: "
+                  f"{', '.join(f'{r:.2f}' for r in ratios[beta])}; goal >= 1.5)")
 
 
 def version(package: str) -> str:
