@@ -438,7 +438,10 @@ def test_grpo_and_token_mean_and_iterations_run(tmp_path, TINY_RUN):
                                       "--groups-per-micro-batch", "2", "--beta", "0"]))
     records = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4] and [r["rollout_step"] for r in records] == [1, 1, 2, 2]
-    assert all(r["w_min"] == r["w_max"] == 1.0 for r in records) and all(r["kl_mean"] == 0 for r in records)
+    # the second update of a batch keeps the rollout's old log-probs: its ratios have moved off 1,
+    # so its token-mean loss differs from the first's (on-policy, both would be -mean(A) alike)
+    assert records[1]["loss"] != records[0]["loss"] and records[3]["loss"] != records[2]["loss"]
+    assert records[0]["lr"] > records[1]["lr"] > 0  # one scheduler step per update
 
 
 # ---------------------------------------------------------------------------------------- methods
@@ -599,6 +602,21 @@ def test_every_method_trains_on_the_tiny_preset(method, tmp_path, tiny_args):
     assert all(math.isfinite(r[k]) for r in records for k in ("loss", "grad_norm", "w_mean", "touched_frac"))
     if passes == 2:  # the two passes' active tokens partition the valid tokens
         assert records[0]["pg_active_frac"] + records[1]["pg_active_frac"] == pytest.approx(1.0)
+    assert all(METHOD_FOOTPRINT[method](r) for r in records), records
+
+
+METHOD_FOOTPRINT = {  # what each method must have done to a batch's tokens, from its metrics
+    "grpo": lambda r: r["touched_frac"] == 0 and r["w_min"] == r["w_max"] == 1,
+    "cw": lambda r: r["touched_frac"] > 0.5 and r["w_min"] < 1 < r["w_max"],
+    "clip_cov": lambda r: r["touched_frac"] < 0.05 and r["w_min"] in (0, 1) and r["w_max"] == 1,
+    "kl_cov": lambda r: r["touched_frac"] == 0,  # on-policy: |logp - old_logp| is 0
+    "ar": lambda r: r["touched_frac"] > 0.5 and 0.8 <= r["w_min"] and r["w_max"] <= 1,
+    "lopti": lambda r: 0 < r["pg_active_frac"] < 1 and r["w_min"] == r["w_max"] == 1,
+    "ar_lopti": lambda r: 0 < r["pg_active_frac"] < 1 and 0.7 <= r["w_min"] and r["w_max"] <= 1,
+    "ict": lambda r: 0.1 <= r["pg_active_frac"] <= 0.4,  # each response's top 10%, rounded up
+    "entropy20": lambda r: 0.15 <= r["pg_active_frac"] <= 0.5,  # ties at the 80th percentile
+    "stapo": lambda r: r["pg_active_frac"] > 0.9 and r["w_min"] >= 0,
+}
 
 
 # -------------------------------------------------------------------------------------- evaluate.py

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import datasets
 import torch
+from tqdm import tqdm
 from transformers import HfArgumentParser, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
 import cwgrpo
@@ -87,7 +88,7 @@ def warm_start(model, tokenizer, questions: list[str], steps: int) -> None:
             answer = tokenizer(target, add_special_tokens=False)["input_ids"]
             examples.append((prompt + answer + [tokenizer.eos_token_id], len(prompt)))
     model.train()
-    for _ in range(steps):
+    for _ in tqdm(range(steps), desc="warm-start"):
         batch = random.sample(examples, 32)
         width = max(len(ids) for ids, _ in batch)
         input_ids = torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids))
