@@ -1237,3 +1237,12 @@ def test_the_paper_recipe_code_path_runs_and_resumes_on_cpu(tmp_path, tiny_base)
     shutil.rmtree(tmp_path / "run" / "final-model")
     cwgrpo.train(cwgrpo.parse_config([*args, "--resume"]))
     assert read_metrics(tmp_path / "run" / "metrics.jsonl") == records
+
+
+def test_gold_is_parsed_with_first_match_as_the_released_reward():
+    """The released reward parsed the gold with math-verify's first_match: the gold's first
+    (boxed) answer is the gold even when it does not parse to an expression, where any_match
+    would fall back to a later one."""
+    gold = "$\\boxed{\\frac{1}{}}$ so the answer is $5$"
+    assert grade_accuracy("\\boxed{5}", gold).accuracy == 0.0
+    assert grade_accuracy("\\boxed{5}", "so the answer is $5$").accuracy == 1.0
