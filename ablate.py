@@ -31,23 +31,31 @@ import plots
 import tiny
 
 HERE = Path(__file__).resolve().parent
-CW_READINGS = ("grpo,cw,cw-detached=cw --cw-detach,cw-paper=cw --cw-reading paper,"
-               "cw-gradient-only=cw --cw-reading gradient-only")
+CW_READINGS = (
+    "grpo,cw,cw-detached=cw --cw-detach,cw-paper=cw --cw-reading paper,"
+    "cw-gradient-only=cw --cw-reading gradient-only"
+)
 
 
 @dataclass
 class AblationConfig:
-    methods: str = cwgrpo.arg("all", "comma-separated methods (label=method options for a variant), "
-                                     "all, or cw-readings (GRPO and CW-GRPO's readings)")
+    methods: str = cwgrpo.arg(
+        "all",
+        "comma-separated methods (label=method options for a variant), "
+        "all, or cw-readings (GRPO and CW-GRPO's readings)",
+    )
     seeds: int = cwgrpo.arg(5, "runs per method, with seeds 0 .. seeds-1")
     preset: Literal["paper-1.5b", "paper-7b", "tiny"] = cwgrpo.arg(
-        "tiny", "the recipe every run uses; options after -- go to every run")
-    output_dir: str = cwgrpo.arg("runs/ablation",
-                                 "gets <label>-seed<seed>/ per run, ablation.md and ablation.png")
+        "tiny", "the recipe every run uses; options after -- go to every run"
+    )
+    output_dir: str = cwgrpo.arg(
+        "runs/ablation", "gets <label>-seed<seed>/ per run, ablation.md and ablation.png"
+    )
     publish: str = cwgrpo.arg("", "also write the table and plot here, as <publish>.md and .png")
     workers: int = cwgrpo.arg(0, "runs at a time; 0 is one per CPU core")
     threshold: float = cwgrpo.arg(
-        0.7, "accuracy for 'steps to threshold' (first step whose 10-step mean reaches it)")
+        0.7, "accuracy for 'steps to threshold' (first step whose 10-step mean reaches it)"
+    )
     plot: bool = cwgrpo.arg(True, "draw ablation.png")
 
 
@@ -59,8 +67,9 @@ def parse_methods(spec: str) -> dict[str, list[str]]:
         label, _, definition = entry.partition("=")
         method, *options = shlex.split(definition or label)
         if method not in cwgrpo.METHODS:
-            raise SystemExit(f"error: unknown method {method}; choose from "
-                             f"{', '.join(cwgrpo.METHODS)}")
+            raise SystemExit(
+                f"error: unknown method {method}; choose from {', '.join(cwgrpo.METHODS)}"
+            )
         runs[label.strip()] = ["--method", method, *options]
     return runs
 
@@ -81,32 +90,55 @@ def run_summary(run_dir: Path, threshold: float) -> dict:
     """Per rollout step: accuracy and entropy; the run's first and final figures (10% each)."""
     every_update = plots.read_records(run_dir / "metrics.jsonl")
     records = [r for r in every_update if r["update_pass"] == 0]  # one per rollout step
-    summary = {"accuracy": [r["accuracy_mean"] for r in records],
-               "entropy": [r["entropy_mean"] for r in records],
-               "touched_frac": statistics.fmean(r["touched_frac"] for r in every_update)}
+    summary = {
+        "accuracy": [r["accuracy_mean"] for r in records],
+        "entropy": [r["entropy_mean"] for r in records],
+        "touched_frac": statistics.fmean(r["touched_frac"] for r in every_update),
+    }
     for key in ("accuracy_mean", "format_mean", "reward_mean", "entropy_mean"):
         summary["first_" + key], summary["final_" + key] = plots.first_to_last(records, key)
-    reached = [r["rollout_step"] for r, a in zip(records, plots.moving_average(
-        summary["accuracy"])) if a >= threshold]
+    reached = [
+        r["rollout_step"]
+        for r, a in zip(records, plots.moving_average(summary["accuracy"]))
+        if a >= threshold
+    ]
     summary["steps_to_threshold"] = reached[0] if reached else None
     summary["wall_s"] = json.loads((run_dir / "wall_time.json").read_text())["wall_s"]
     return summary
 
 
-def run_one(label: str, options: list[str], seed: int, run_dir: Path, acfg: AblationConfig,
-            run_args: list) -> None:
+def run_one(
+    label: str, options: list[str], seed: int, run_dir: Path, acfg: AblationConfig, run_args: list
+) -> None:
     if (run_dir / "wall_time.json").is_file():
         return  # finished by an earlier invocation
-    command = [sys.executable, str(HERE / "cwgrpo.py"), "--preset", acfg.preset, *options,
-               "--seed", str(seed), "--output-dir", str(run_dir), "--threads", "1",
-               "--reward-workers", "1", *run_args]
+    command = [
+        sys.executable,
+        str(HERE / "cwgrpo.py"),
+        "--preset",
+        acfg.preset,
+        *options,
+        "--seed",
+        str(seed),
+        "--output-dir",
+        str(run_dir),
+        "--threads",
+        "1",
+        "--reward-workers",
+        "1",
+        *run_args,
+    ]
     if (run_dir / "metrics.jsonl").exists():
         command.append("--resume")
     run_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with (run_dir / "log.txt").open("w") as log:
-        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        done = subprocess.run(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
     if done.returncode:
         raise SystemExit(f"error: {label} seed {seed} failed; see {run_dir / 'log.txt'}")
     (run_dir / "wall_time.json").write_text(json.dumps({"wall_s": time.perf_counter() - start}))
@@ -114,7 +146,7 @@ def run_one(label: str, options: list[str], seed: int, run_dir: Path, acfg: Abla
 
 def ablate(argv: list) -> Path:
     split = argv.index("--") if "--" in argv else len(argv)
-    own, run_args = argv[:split], argv[split + 1:]
+    own, run_args = argv[:split], argv[split + 1 :]
     (acfg,) = HfArgumentParser(AblationConfig, prog="ablate.py").parse_args_into_dataclasses(own)
     methods = parse_methods(acfg.methods)
     if acfg.plot:
@@ -123,55 +155,78 @@ def ablate(argv: list) -> Path:
         tiny.build()
     output_dir = Path(acfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    runs = [(label, seed, output_dir / f"{label}-seed{seed}") for label in methods
-            for seed in range(acfg.seeds)]
+    runs = [
+        (label, seed, output_dir / f"{label}-seed{seed}")
+        for label in methods
+        for seed in range(acfg.seeds)
+    ]
     workers = acfg.workers or os.cpu_count() or 1
     with ThreadPoolExecutor(workers) as pool:
-        jobs = [pool.submit(run_one, label, methods[label], seed, run_dir, acfg, run_args)
-                for label, seed, run_dir in runs]
+        jobs = [
+            pool.submit(run_one, label, methods[label], seed, run_dir, acfg, run_args)
+            for label, seed, run_dir in runs
+        ]
         for job in tqdm(jobs, desc="ablation"):
             job.result()
-    summaries = {label: [run_summary(d, acfg.threshold) for lb, _, d in runs if lb == label]
-                 for label in methods}
+    summaries = {
+        label: [run_summary(d, acfg.threshold) for lb, _, d in runs if lb == label]
+        for label in methods
+    }
     table = ablation_table(summaries, methods, acfg, run_args, workers)
     for stem in filter(None, (output_dir / "ablation", acfg.publish and Path(acfg.publish))):
         Path(stem).parent.mkdir(parents=True, exist_ok=True)
         Path(f"{stem}.md").write_text(table)
         if acfg.plot:
-            plots.plot_ablation(Path(f"{stem}.png"), {
-                label: {key: [r[key] for r in runs] for key in ("accuracy", "entropy")}
-                for label, runs in summaries.items()},
-                f"preset {acfg.preset}: mean over {acfg.seeds} seeds, band: 95% interval")
+            plots.plot_ablation(
+                Path(f"{stem}.png"),
+                {
+                    label: {key: [r[key] for r in runs] for key in ("accuracy", "entropy")}
+                    for label, runs in summaries.items()
+                },
+                f"preset {acfg.preset}: mean over {acfg.seeds} seeds, band: 95% interval",
+            )
     return output_dir
 
 
-def ablation_table(summaries: dict, methods: dict, acfg: AblationConfig, run_args: list,
-                   workers: int) -> str:
+def ablation_table(
+    summaries: dict, methods: dict, acfg: AblationConfig, run_args: list, workers: int
+) -> str:
     seeds, options = acfg.seeds, f" -- {shlex.join(run_args)}" if run_args else ""
     baseline = summaries.get("grpo")
     run_minutes = sum(r["wall_s"] for runs in summaries.values() for r in runs) / 60
-    lines = [f"`python ablate.py --methods {shlex.quote(acfg.methods)} --seeds {seeds} --preset "
-             f"{acfg.preset}{options}`: {len(methods) * seeds} runs, {run_minutes:.0f} minutes of "
-             f"run time in all, {workers} at a time.", "",
-             f"Mean ± half-width of the 95% Student-t interval over seeds 0-{seeds - 1}. First and "
-             f"final figures are means over the first and last 10% of rollout steps. Δ is the "
-             f"paired difference from grpo over the same seeds, **bold** where its interval "
-             f"excludes 0 (a finding); elsewhere the seeds cannot tell the two apart. 'steps to "
-             f"{acfg.threshold}' is the first rollout step whose 10-step mean accuracy reaches it "
-             f"(seeds that never do are left out and counted).", "",
-             f"| method | options | accuracy first → final | Δ final accuracy | final format | "
-             f"Δ format | entropy first → final | Δ final entropy | steps to {acfg.threshold} | "
-             f"wall s | touched |", "|---" * 11 + "|"]
+    lines = [
+        f"`python ablate.py --methods {shlex.quote(acfg.methods)} --seeds {seeds} --preset "
+        f"{acfg.preset}{options}`: {len(methods) * seeds} runs, {run_minutes:.0f} minutes of "
+        f"run time in all, {workers} at a time.",
+        "",
+        f"Mean ± half-width of the 95% Student-t interval over seeds 0-{seeds - 1}. First and "
+        f"final figures are means over the first and last 10% of rollout steps. Δ is the "
+        f"paired difference from grpo over the same seeds, **bold** where its interval "
+        f"excludes 0 (a finding); elsewhere the seeds cannot tell the two apart. 'steps to "
+        f"{acfg.threshold}' is the first rollout step whose 10-step mean accuracy reaches it "
+        f"(seeds that never do are left out and counted).",
+        "",
+        f"| method | options | accuracy first → final | Δ final accuracy | final format | "
+        f"Δ format | entropy first → final | Δ final entropy | steps to {acfg.threshold} | "
+        f"wall s | touched |",
+        "|---" * 11 + "|",
+    ]
     for label, runs in summaries.items():
+
         def values(key):
             return [r[key] for r in runs]
 
         def delta(key):
-            return difference(values(key), [r[key] for r in baseline]) \
-                if baseline and label != "grpo" else "-"
+            return (
+                difference(values(key), [r[key] for r in baseline])
+                if baseline and label != "grpo"
+                else "-"
+            )
+
         reached = [r["steps_to_threshold"] for r in runs if r["steps_to_threshold"] is not None]
-        steps = (cell(reached, 0) if reached else "never") + \
-            (f" ({len(runs) - len(reached)} never)" if reached and len(reached) < len(runs) else "")
+        steps = (cell(reached, 0) if reached else "never") + (
+            f" ({len(runs) - len(reached)} never)" if reached and len(reached) < len(runs) else ""
+        )
         lines.append(
             f"| {label} | `{shlex.join(methods[label])}` | "
             f"{statistics.fmean(values('first_accuracy_mean')):.3f} → "
@@ -180,7 +235,8 @@ def ablation_table(summaries: dict, methods: dict, acfg: AblationConfig, run_arg
             f"{statistics.fmean(values('first_entropy_mean')):.3f} → "
             f"{cell(values('final_entropy_mean'))} | {delta('final_entropy_mean')} | {steps} | "
             f"{cell(values('wall_s'), 0)} | "
-            f"{100 * statistics.fmean(values('touched_frac')):.1f}% |")
+            f"{100 * statistics.fmean(values('touched_frac')):.1f}% |"
+        )
     return "\n".join(lines) + "\n"
 
 

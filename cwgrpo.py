@@ -29,14 +29,32 @@ from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, veri
 from tqdm import tqdm
 from transformers import DynamicCache, HfArgumentParser
 
-from lm_head import chunked_logprobs, ict_divergence
-from loading import (check_model_path, eos_token_ids, load_dataset, load_model, load_reference,
-                     load_tokenizer)
 import plots
-from runtime import (CachedTimeoutPool, LogCounter, RunLock, StopRequest, bf16_autocast,
-                     check_resumable, keep_records_until, prepare_output_dir, resolve_device,
-                     latest_checkpoint, resume_command, rng_states, save_checkpoint,
-                     set_rng_states)
+from lm_head import chunked_logprobs, ict_divergence
+from loading import (
+    check_model_path,
+    eos_token_ids,
+    load_dataset,
+    load_model,
+    load_reference,
+    load_tokenizer,
+)
+from runtime import (
+    CachedTimeoutPool,
+    LogCounter,
+    RunLock,
+    StopRequest,
+    bf16_autocast,
+    check_resumable,
+    keep_records_until,
+    latest_checkpoint,
+    prepare_output_dir,
+    resolve_device,
+    resume_command,
+    rng_states,
+    save_checkpoint,
+    set_rng_states,
+)
 
 # 1. Config --------------------------------------------------------------------------------------
 # The system prompt Open-RS trains with (the paper's training data).
@@ -46,31 +64,45 @@ OPEN_RS_SYSTEM_PROMPT = (
     "user with the answer, and put your final answer within \\boxed{} . The reasoning process and "
     "answer are enclosed within <think> </think> and <answer> </answer> tags, respectively, i.e., "
     "<think> reasoning process here </think> <answer> answer here </answer>. Note that respond by "
-    "English, NOT use other languages.")
+    "English, NOT use other languages."
+)
+
 
 def arg(default, help: str, **metadata):
     """A Config field with its --help text."""
     return field(default=default, metadata={"help": help, **metadata})
 
+
 # The range of every numeric option, checked when the command line is parsed: rule -> options
 RULES = {
     ">= 2": (lambda v: v >= 2, "group_size"),
-    "> 0": (lambda v: v > 0, "prompts_per_step groups_per_micro_batch max_prompt_length "
-                             "max_completion_length temperature reward_timeout_s num_iterations "
-                             "learning_rate max_grad_norm steps save_every logit_chunk_elements"),
-    "in (0, 1]": (lambda v: 0 < v <= 1, "top_p clip_cov_ratio kl_cov_ratio lopti_eta "
-                                        "ar_lopti_eta ict_keep_frac entropy_top_frac"),
-    ">= 0": (lambda v: v >= 0, "top_k accuracy_weight format_weight reward_workers beta eps_low "
-                               "eps_high kl_cov_coef stapo_max_prob weight_decay seed threads"),
+    "> 0": (
+        lambda v: v > 0,
+        "prompts_per_step groups_per_micro_batch max_prompt_length "
+        "max_completion_length temperature reward_timeout_s num_iterations "
+        "learning_rate max_grad_norm steps save_every logit_chunk_elements",
+    ),
+    "in (0, 1]": (
+        lambda v: 0 < v <= 1,
+        "top_p clip_cov_ratio kl_cov_ratio lopti_eta ar_lopti_eta ict_keep_frac entropy_top_frac",
+    ),
+    ">= 0": (
+        lambda v: v >= 0,
+        "top_k accuracy_weight format_weight reward_workers beta eps_low "
+        "eps_high kl_cov_coef stapo_max_prob weight_decay seed threads",
+    ),
     "in [0, 1]": (lambda v: 0 <= v <= 1, "ar_alpha ar_lopti_alpha min_lr_ratio warmup_ratio"),
     "in [0, 100]": (lambda v: 0 <= v <= 100, "stapo_entropy_percentile"),
 }
 
+
 @dataclass
 class Config:
     """The defaults are the released 1.5B recipe (docs/math.md, "Recipe"); PRESETS override some."""
+
     preset: Literal["paper-1.5b", "paper-7b", "tiny"] = arg(
-        "paper-1.5b", "a whole recipe (tiny: the CPU demo of tiny.py); options given override it")
+        "paper-1.5b", "a whole recipe (tiny: the CPU demo of tiny.py); options given override it"
+    )
     method: str = arg("cw", "token-weighting method: one of METHODS (section 7, listed below)")
     model: str = arg("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", "hub id or local folder")
     dataset: str = arg("knoveleng/open-rs", "hub id or local .json/.jsonl/.parquet/.csv file")
@@ -84,8 +116,10 @@ class Config:
     max_prompt_length: int = arg(512, "longer prompts are skipped (and counted)")
     max_completion_length: int = arg(4096, "generation limit; see --length-limit")
     length_limit: Literal["total", "new"] = arg(
-        "total", "total: prompt + completion hold at most --max-completion-length tokens (the "
-                 "released recipe's vLLM max model length); new: as many new tokens")
+        "total",
+        "total: prompt + completion hold at most --max-completion-length tokens (the "
+        "released recipe's vLLM max model length); new: as many new tokens",
+    )
     temperature: float = arg(0.7, "sampling temperature; log-probs use it too")
     top_p: float = arg(1.0, "nucleus sampling; 1.0 is off (paper)")
     top_k: int = arg(0, "top-k sampling; 0 is off (paper)")
@@ -98,14 +132,18 @@ class Config:
     eps_low: float = arg(0.2, "PPO clip range below 1")
     eps_high: float = arg(0.2, "PPO clip range above 1")
     loss_aggregation: Literal["seq-mean-token-mean", "token-mean"] = arg(
-        "seq-mean-token-mean", "seq-mean-token-mean (GRPO, the paper) or token-mean (DAPO)")
+        "seq-mean-token-mean", "seq-mean-token-mean (GRPO, the paper) or token-mean (DAPO)"
+    )
     num_iterations: int = arg(1, "policy updates per rollout batch (paper: 1)")
     cw_norm: Literal["padded", "valid"] = arg(
-        "padded", "cw: weights of mean 1 over padded positions (released code) or real tokens")
+        "padded", "cw: weights of mean 1 over padded positions (released code) or real tokens"
+    )
     cw_detach: bool = arg(False, "cw: no gradient through the weights (released code: it flows)")
     cw_reading: Literal["released", "paper", "gradient-only"] = arg(
-        "released", "cw: released (padded, not detached), paper (the text's natural reading: "
-                    "valid, detached), or gradient-only (a control: w = 1 with released's gradient)")
+        "released",
+        "cw: released (padded, not detached), paper (the text's natural reading: "
+        "valid, detached), or gradient-only (a control: w = 1 with released's gradient)",
+    )
     clip_cov_ratio: float = arg(2e-4, "clip_cov: share of tokens zeroed")
     clip_cov_lb: float = arg(1.0, "clip_cov: candidates have covariance above this")
     clip_cov_ub: float = arg(5.0, "clip_cov: candidates have covariance below this")
@@ -138,27 +176,37 @@ class Config:
     def __post_init__(self):
         """Every option is checked here, at parse time, before any slow work."""
         if self.method not in METHODS:
-            raise SystemExit(f"error: unknown --method {self.method!r}; choose from "
-                             f"{', '.join(METHODS)}")
+            raise SystemExit(
+                f"error: unknown --method {self.method!r}; choose from {', '.join(METHODS)}"
+            )
         for rule, (holds, names) in RULES.items():
             for name in names.split():
                 if not holds(getattr(self, name)):
-                    raise SystemExit(f"error: --{name.replace('_', '-')} must be {rule}; got "
-                                     f"{getattr(self, name)}")
+                    raise SystemExit(
+                        f"error: --{name.replace('_', '-')} must be {rule}; got "
+                        f"{getattr(self, name)}"
+                    )
         if self.clip_cov_lb >= self.clip_cov_ub:
-            raise SystemExit(f"error: --clip-cov-lb ({self.clip_cov_lb}) must be below "
-                             f"--clip-cov-ub ({self.clip_cov_ub})")
+            raise SystemExit(
+                f"error: --clip-cov-lb ({self.clip_cov_lb}) must be below "
+                f"--clip-cov-ub ({self.clip_cov_ub})"
+            )
         if self.cw_reading != "released":  # the control takes the released weights' gradient
-            self.cw_norm, self.cw_detach = ("valid", True) if self.cw_reading == "paper" else \
-                ("padded", False)
+            self.cw_norm, self.cw_detach = (
+                ("valid", True) if self.cw_reading == "paper" else ("padded", False)
+            )
         self.groups_per_micro_batch = min(self.groups_per_micro_batch, self.prompts_per_step)
         if self.prompts_per_step % self.groups_per_micro_batch:
-            raise SystemExit(f"error: --prompts-per-step ({self.prompts_per_step}) must be a "
-                             f"multiple of --groups-per-micro-batch ({self.groups_per_micro_batch})")
+            raise SystemExit(
+                f"error: --prompts-per-step ({self.prompts_per_step}) must be a "
+                f"multiple of --groups-per-micro-batch ({self.groups_per_micro_batch})"
+            )
         if self.length_limit == "total" and self.max_prompt_length >= self.max_completion_length:
-            raise SystemExit(f"error: --max-prompt-length ({self.max_prompt_length}) leaves no "
-                             f"room for a completion within --max-completion-length "
-                             f"({self.max_completion_length}) under --length-limit total")
+            raise SystemExit(
+                f"error: --max-prompt-length ({self.max_prompt_length}) leaves no "
+                f"room for a completion within --max-completion-length "
+                f"({self.max_completion_length}) under --length-limit total"
+            )
         if not self.output_dir:
             self.output_dir = f"runs/{self.method}-{self.preset}-seed{self.seed}"
 
@@ -167,15 +215,31 @@ PRESETS = {
     "paper-1.5b": {},  # the Config defaults are this recipe
     # Qwen2.5-Math-7B has 4,096 positions: prompt + completion fit in them with --length-limit total
     "paper-7b": dict(model="Qwen/Qwen2.5-Math-7B-Instruct", format_weight=0.0, steps=150),
-    "tiny": dict(model="runs/tiny-base/model", dataset="runs/tiny-base/arithmetic.jsonl",
-                 system_prompt="", group_size=8, prompts_per_step=8, groups_per_micro_batch=8,
-                 max_prompt_length=64, max_completion_length=40, length_limit="new", temperature=1.0,
-                 learning_rate=7e-4, warmup_ratio=0.05, steps=200, save_every=50, seed=0,
-                 gradient_checkpointing=False),
+    "tiny": dict(
+        model="runs/tiny-base/model",
+        dataset="runs/tiny-base/arithmetic.jsonl",
+        system_prompt="",
+        group_size=8,
+        prompts_per_step=8,
+        groups_per_micro_batch=8,
+        max_prompt_length=64,
+        max_completion_length=40,
+        length_limit="new",
+        temperature=1.0,
+        learning_rate=7e-4,
+        warmup_ratio=0.05,
+        steps=200,
+        save_every=50,
+        seed=0,
+        gradient_checkpointing=False,
+    ),
 }
 GPU_PRESETS = ("paper-1.5b", "paper-7b")
-EVALUATE_OPTIONS = {"tiny": " --benchmarks benchmarks/tiny-arithmetic.jsonl --gold-format expr "
-                            "--prompt-template '{question}' --top-p 1.0 --max-new-tokens 40"}
+EVALUATE_OPTIONS = {
+    "tiny": " --benchmarks benchmarks/tiny-arithmetic.jsonl --gold-format expr "
+    "--prompt-template '{question}' --top-p 1.0 --max-new-tokens 40"
+}
+
 
 def parse_config(argv=None, *extra_dataclasses):
     """The run's Config (and those of extra dataclasses a tool adds): the preset's values as
@@ -184,34 +248,42 @@ def parse_config(argv=None, *extra_dataclasses):
     preset_parser = argparse.ArgumentParser(add_help=False)
     preset_parser.add_argument("--preset", default=Config.preset, choices=list(PRESETS))
     preset = preset_parser.parse_known_args(argv)[0].preset
-    parser = HfArgumentParser((Config, *extra_dataclasses), description=__doc__.split("\n\n")[0],
-                              epilog="methods: " + "; ".join(
-                                  f"{name}: {m.description}" for name, m in METHODS.items()))
+    parser = HfArgumentParser(
+        (Config, *extra_dataclasses),
+        description=__doc__.split("\n\n")[0],
+        epilog="methods: " + "; ".join(f"{name}: {m.description}" for name, m in METHODS.items()),
+    )
     parser.set_defaults(**PRESETS[preset])
     parsed = parser.parse_args_into_dataclasses(argv)
     return parsed if extra_dataclasses else parsed[0]
+
 
 # 2. Data and prompts ----------------------------------------------------------------------------
 def chat_prompt_ids(tokenizer, question: str, system_prompt: str) -> list[int]:
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": question})
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                         return_dict=True)["input_ids"]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)[
+        "input_ids"
+    ]
+
 
 class PromptStream:
     """Tokenised (prompt, gold) pairs in a seeded order, reshuffled each epoch. Its position, a
     count of prompts served, is all a checkpoint needs."""
 
     def __init__(self, dataset, tokenizer, cfg: Config):
-        pairs = [(chat_prompt_ids(tokenizer, str(question), cfg.system_prompt), str(gold))
-                 for question, gold in zip(dataset[cfg.question_column], dataset[cfg.gold_column])]
+        pairs = [
+            (chat_prompt_ids(tokenizer, str(question), cfg.system_prompt), str(gold))
+            for question, gold in zip(dataset[cfg.question_column], dataset[cfg.gold_column])
+        ]
         self.items = [(ids, gold) for ids, gold in pairs if len(ids) <= cfg.max_prompt_length]
         self.skipped, self.seed, self.position = len(pairs) - len(self.items), cfg.seed, 0
         if self.skipped:
             print(f"skipped {self.skipped} prompts longer than --max-prompt-length")
         if not self.items:
-            raise SystemExit(f"error: every prompt is longer than --max-prompt-length "
-                             f"{cfg.max_prompt_length}")
+            raise SystemExit(
+                f"error: every prompt is longer than --max-prompt-length {cfg.max_prompt_length}"
+            )
 
     @functools.lru_cache(maxsize=1)
     def order(self, epoch: int) -> list[int]:
@@ -226,18 +298,34 @@ class PromptStream:
             self.position += 1
         return batch
 
+
 # 3. Reward: math-verify accuracy + format (docs/math.md, "Reward") ------------------------------
 class Grade(NamedTuple):
     accuracy: float
     gold_parsed: bool  # False: the gold could not be parsed, so the score is 0 by rule
-    timed_out: bool    # grading was cut off (ours or math-verify's own limit), so the score is 0
+    timed_out: bool  # grading was cut off (ours or math-verify's own limit), so the score is 0
 
-GOLD_EXTRACTION = {"default": [LatexExtractionConfig(), ExprExtractionConfig()],
-                   "expr": [ExprExtractionConfig()], "latex": [LatexExtractionConfig()]}
-PREDICTION_EXTRACTION = [LatexExtractionConfig(
-    normalization_config=NormalizationConfig(basic_latex=True, units=True, malformed_operators=False,
-                                             nits=False, boxed="all", equations=False),
-    boxed_match_priority=0, try_extract_without_anchor=False)]
+
+GOLD_EXTRACTION = {
+    "default": [LatexExtractionConfig(), ExprExtractionConfig()],
+    "expr": [ExprExtractionConfig()],
+    "latex": [LatexExtractionConfig()],
+}
+PREDICTION_EXTRACTION = [
+    LatexExtractionConfig(
+        normalization_config=NormalizationConfig(
+            basic_latex=True,
+            units=True,
+            malformed_operators=False,
+            nits=False,
+            boxed="all",
+            equations=False,
+        ),
+        boxed_match_priority=0,
+        try_extract_without_anchor=False,
+    )
+]
+
 
 def grade_accuracy(completion: str, gold: str, gold_format: str = "default") -> Grade:
     """1.0 if math-verify finds the completion's answer equal to the gold, checked gold first
@@ -247,19 +335,25 @@ def grade_accuracy(completion: str, gold: str, gold_format: str = "default") -> 
     cutoffs = LogCounter.installed("math_verify", "Timeout during")
     before = cutoffs.count
     try:
-        gold_parsed = parse(gold, extraction_mode="first_match",  # as the released reward
-                            extraction_config=GOLD_EXTRACTION[gold_format])
+        gold_parsed = parse(
+            gold,
+            extraction_mode="first_match",  # as the released reward
+            extraction_config=GOLD_EXTRACTION[gold_format],
+        )
         if not gold_parsed:
             return Grade(0.0, False, False)
-        prediction = parse(completion, extraction_mode="first_match",
-                           extraction_config=PREDICTION_EXTRACTION)
+        prediction = parse(
+            completion, extraction_mode="first_match", extraction_config=PREDICTION_EXTRACTION
+        )
         accuracy = float(verify(gold_parsed, prediction))
     except Exception:  # noqa: BLE001 - a failure inside the grader is a wrong answer
         accuracy = 0.0
     return Grade(accuracy, True, cutoffs.count > before)
 
+
 def format_reward(completion: str) -> float:
     return float(completion.count("\n</think>\n") == 1)
+
 
 class Grader(CachedTimeoutPool):
     """grade_accuracy in worker processes under a hard time limit; cached (grading is pure)."""
@@ -270,29 +364,32 @@ class Grader(CachedTimeoutPool):
     def grade(self, completion: str, gold: str, gold_format: str = "default") -> Grade:
         return self.map([(completion, gold, gold_format)])[0]
 
+
 def reward_worker_count(cfg: Config) -> int:
     return cfg.reward_workers or min(8, os.cpu_count() or 1)
+
 
 # 4. Sampling ------------------------------------------------------------------------------------
 @dataclass
 class Rollout:
     """One rollout batch: N = prompts x G completions, consecutive rows forming a group."""
-    prompt_ids: torch.Tensor       # (N, P) left-padded
-    prompt_mask: torch.Tensor      # (N, P)
-    completion_ids: torch.Tensor   # (N, T) right-padded
+
+    prompt_ids: torch.Tensor  # (N, P) left-padded
+    prompt_mask: torch.Tensor  # (N, P)
+    completion_ids: torch.Tensor  # (N, T) right-padded
     completion_mask: torch.Tensor  # (N, T) float, 1 up to and including the first EOS
-    truncated: torch.Tensor        # (N,) bool, no EOS within the limit
+    truncated: torch.Tensor  # (N,) bool, no EOS within the limit
     texts: list
     golds: list
     rewards: torch.Tensor = None
     advantages: torch.Tensor = None
     # From a no-grad pass after sampling, when the update needs them (num_iterations > 1, or the
     # method asks); otherwise old == current (detached) and the update's own entropy is used.
-    old_logp: torch.Tensor = None    # (N, T)
-    entropy: torch.Tensor = None     # (N, T)
+    old_logp: torch.Tensor = None  # (N, T)
+    entropy: torch.Tensor = None  # (N, T)
     divergence: torch.Tensor = None  # (N, T) ict's score
-    ref_logp: torch.Tensor = None    # (N, T) only when beta > 0
-    active: torch.Tensor = None      # (N, T) tokens whose loss counts; all when None (diagnose.py)
+    ref_logp: torch.Tensor = None  # (N, T) only when beta > 0
+    active: torch.Tensor = None  # (N, T) tokens whose loss counts; all when None (diagnose.py)
     batch_entropy: torch.Tensor = None  # the sorted entropies of all the batch's valid tokens
 
     def select(self, start: int, stop: int) -> "Rollout":
@@ -305,8 +402,15 @@ class Rollout:
         completion_len = int(out["completion_mask"].sum(1).max())
         for name in ("prompt_ids", "prompt_mask"):
             out[name] = out[name][:, first_prompt_column:]
-        for name in ("completion_ids", "completion_mask", "old_logp", "entropy", "divergence",
-                     "ref_logp", "active"):
+        for name in (
+            "completion_ids",
+            "completion_mask",
+            "old_logp",
+            "entropy",
+            "divergence",
+            "ref_logp",
+            "active",
+        ):
             if out[name] is not None:
                 out[name] = out[name][:, :completion_len]
         return Rollout(**out)
@@ -319,47 +423,87 @@ class Rollout:
             part = self.select(start, start + rows)
             yield (slice(start, start + rows), slice(0, part.completion_ids.shape[1])), part
 
+
 @torch.no_grad()
 def sample(model, tokenizer, batch: list[tuple[list[int], str]], cfg: Config) -> Rollout:
     """G completions per prompt with plain temperature sampling (top-p/top-k only where set)."""
     model.eval()
     total = cfg.max_completion_length if cfg.length_limit == "total" else None
-    prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts = \
-        generate_completions(model, tokenizer, [ids for ids, _ in batch], cfg.group_size,
-                             cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_completion_length,
-                             total)
+    prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts = (
+        generate_completions(
+            model,
+            tokenizer,
+            [ids for ids, _ in batch],
+            cfg.group_size,
+            cfg.temperature,
+            cfg.top_p,
+            cfg.top_k,
+            cfg.max_completion_length,
+            total,
+        )
+    )
     golds = [gold for _, gold in batch for _ in range(cfg.group_size)]
     if cfg.mask_truncated_completions:  # out of the loss, not out of the reward
         completion_mask = completion_mask * (~truncated)[:, None]
-    return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts,
-                   golds)
+    return Rollout(
+        prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts, golds
+    )
+
 
 @torch.no_grad()
-def generate_completions(model, tokenizer, prompts: list[list[int]], n: int, temperature: float,
-                         top_p: float, top_k: int, max_new_tokens: int, max_total: int | None):
+def generate_completions(
+    model,
+    tokenizer,
+    prompts: list[list[int]],
+    n: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    max_new_tokens: int,
+    max_total: int | None,
+):
     """n completions of each prompt, the prompts left-padded into one batch: the prompt ids and
     mask, the completion ids, mask and truncation flags, and the decoded texts. With max_total,
     each prompt + completion holds at most max_total tokens (as vLLM's max model length)."""
     device = next(model.parameters()).device
     width, pad = max(map(len, prompts)), tokenizer.pad_token_id
     prompt_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
-    prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
-                               device=device)
-    prompt_ids, prompt_mask = prompt_ids.repeat_interleave(n, 0), prompt_mask.repeat_interleave(n, 0)
-    limits = torch.full((len(prompt_ids),), max_new_tokens, device=device) if max_total is None \
+    prompt_mask = torch.tensor(
+        [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device
+    )
+    prompt_ids, prompt_mask = (
+        prompt_ids.repeat_interleave(n, 0),
+        prompt_mask.repeat_interleave(n, 0),
+    )
+    limits = (
+        torch.full((len(prompt_ids),), max_new_tokens, device=device)
+        if max_total is None
         else max_total - prompt_mask.sum(1)
+    )
     eos = eos_token_ids(model, tokenizer)
-    completion_ids = sample_tokens(model, prompt_ids, prompt_mask, int(limits.max()), temperature,
-                                   top_p, top_k, eos, pad)
+    completion_ids = sample_tokens(
+        model, prompt_ids, prompt_mask, int(limits.max()), temperature, top_p, top_k, eos, pad
+    )
     completion_mask, truncated = completion_mask_after_eos(completion_ids, eos, limits)
     lengths = completion_mask.sum(1).long().tolist()
-    texts = tokenizer.batch_decode([ids[:k] for ids, k in zip(completion_ids, lengths)],
-                                   skip_special_tokens=True)
+    texts = tokenizer.batch_decode(
+        [ids[:k] for ids, k in zip(completion_ids, lengths)], skip_special_tokens=True
+    )
     return prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts
 
+
 @torch.no_grad()
-def sample_tokens(model, prompt_ids, prompt_mask, max_new_tokens: int, temperature: float,
-                  top_p: float, top_k: int, eos: list[int], pad: int) -> torch.Tensor:
+def sample_tokens(
+    model,
+    prompt_ids,
+    prompt_mask,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    eos: list[int],
+    pad: int,
+) -> torch.Tensor:
     """Autoregressive sampling with a KV cache: softmax(logits / temperature), cut to the top-k
     tokens and the top-p nucleus only where set. Nothing else shapes the distribution, so the
     tokens come from the one whose log-probs the loss uses (generate() would add whatever the
@@ -370,8 +514,14 @@ def sample_tokens(model, prompt_ids, prompt_mask, max_new_tokens: int, temperatu
     finished = torch.zeros(len(prompt_ids), dtype=torch.bool, device=prompt_ids.device)
     eos = torch.tensor(eos, device=prompt_ids.device)
     for _ in range(max_new_tokens):
-        logits = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                       past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        logits = model(
+            input_ids=input_ids,
+            attention_mask=attention,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
         probs = (logits.float() / temperature).softmax(-1)
         if top_k:
             probs = probs * (probs >= probs.topk(top_k, -1).values[:, -1:])
@@ -390,16 +540,18 @@ def sample_tokens(model, prompt_ids, prompt_mask, max_new_tokens: int, temperatu
         attention = torch.cat([attention, torch.ones_like(attention[:, :1])], 1)
     return torch.stack(tokens, 1)
 
-def completion_mask_after_eos(completion_ids: torch.Tensor, eos: list[int],
-                              limits: torch.Tensor):
+
+def completion_mask_after_eos(completion_ids: torch.Tensor, eos: list[int], limits: torch.Tensor):
     """1 for every token up to and including the first EOS within each row's limit (in tokens),
     0 after; and which rows have no EOS within it (truncated)."""
     positions = torch.arange(completion_ids.shape[1], device=completion_ids.device)
-    is_eos = torch.isin(completion_ids, torch.tensor(eos, device=completion_ids.device)) \
-        & (positions[None, :] < limits[:, None])
+    is_eos = torch.isin(completion_ids, torch.tensor(eos, device=completion_ids.device)) & (
+        positions[None, :] < limits[:, None]
+    )
     truncated = ~is_eos.any(1)
     last = torch.where(truncated, limits - 1, is_eos.int().argmax(1))
     return (positions[None, :] <= last[:, None]).float(), truncated
+
 
 # 5. Log-probs and entropy, chunked over positions -----------------------------------------------
 def completion_logprobs(model, rollout: Rollout, cfg: Config):
@@ -408,19 +560,28 @@ def completion_logprobs(model, rollout: Rollout, cfg: Config):
     input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
     attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask.long()], 1)
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # as generate() numbers them
-    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                 position_ids=position_ids, use_cache=False).last_hidden_state
+    hidden = model.get_decoder()(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+    ).last_hidden_state
     prompt_width = rollout.prompt_ids.shape[1]
-    hidden = hidden[:, prompt_width - 1:-1]  # the state at position t predicts completion token t
+    hidden = hidden[:, prompt_width - 1 : -1]  # the state at position t predicts completion token t
     valid = rollout.completion_mask.bool()
     logp_valid, entropy_valid = chunked_logprobs(
-        hidden[valid], model.get_output_embeddings().weight, rollout.completion_ids[valid],
-        cfg.temperature, cfg.logit_chunk_elements)
+        hidden[valid],
+        model.get_output_embeddings().weight,
+        rollout.completion_ids[valid],
+        cfg.temperature,
+        cfg.logit_chunk_elements,
+    )
     logp = torch.zeros(valid.shape, device=hidden.device, dtype=logp_valid.dtype)
     entropy = torch.zeros_like(logp)
     logp[valid] = logp_valid
     entropy[valid] = entropy_valid
     return logp, entropy, hidden
+
 
 # 6. Group advantages ----------------------------------------------------------------------------
 def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -429,59 +590,75 @@ def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     advantages = (groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)
     return advantages.view(-1)
 
+
 # 7. The methods: how each one changes the per-token loss (docs/math.md, "Methods") --------------
 class Group(NamedTuple):
     """What a method sees of one group of G responses (T = the micro-batch's longest response)."""
-    logp: torch.Tensor        # (G, T) current policy, with gradient
-    old_logp: torch.Tensor    # (G, T) rollout policy, no gradient
+
+    logp: torch.Tensor  # (G, T) current policy, with gradient
+    old_logp: torch.Tensor  # (G, T) rollout policy, no gradient
     advantages: torch.Tensor  # (G,)
-    mask: torch.Tensor        # (G, T) 0/1
-    entropy: torch.Tensor     # (G, T) rollout policy's entropy, no gradient
+    mask: torch.Tensor  # (G, T) 0/1
+    entropy: torch.Tensor  # (G, T) rollout policy's entropy, no gradient
     batch_entropy: torch.Tensor | None  # sorted entropies of the batch's valid tokens
-    divergence: torch.Tensor | None     # (G, T) ict's JS score, for the methods that ask for it
-    update_pass: int          # 0; lopti's second (high-probability) pass is 1
+    divergence: torch.Tensor | None  # (G, T) ict's JS score, for the methods that ask for it
+    update_pass: int  # 0; lopti's second (high-probability) pass is 1
+
 
 class TokenTerms(NamedTuple):
     """How a method changes the per-token loss w * pg + beta * k3."""
+
     pg_weight: torch.Tensor  # w (G, T); 0 drops a token's PG term, not its share of the denominator
-    extra: torch.Tensor | None = None   # a per-token term added to the loss (kl_cov)
-    clip: bool = True                   # False: the PG term without PPO clipping (kl_cov)
+    extra: torch.Tensor | None = None  # a per-token term added to the loss (kl_cov)
+    clip: bool = True  # False: the PG term without PPO clipping (kl_cov)
     active: torch.Tensor | None = None  # tokens whose PG and KL terms count in this pass (lopti)
+
 
 def grpo(group: Group, cfg: Config) -> TokenTerms:
     return TokenTerms(group.mask)  # w = 1 (Shao et al. 2024)
 
+
 def covariance_score(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """CW-GRPO's per-token covariance score of one group (math.md "cw", steps 1-3)."""
-    mu = (logp * mask).sum(1) / mask.sum(1).clamp(min=1)       # 1. each response's mean log-prob
-    centred_adv = adv - adv.mean()                               # 2.
-    return (logp - mu[:, None]) * centred_adv[:, None] * mask    # 3.
+    mu = (logp * mask).sum(1) / mask.sum(1).clamp(min=1)  # 1. each response's mean log-prob
+    centred_adv = adv - adv.mean()  # 2.
+    return (logp - mu[:, None]) * centred_adv[:, None] * mask  # 3.
 
-def cw_weights(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *,
-               norm: str = "padded", detach: bool = False) -> torch.Tensor:
+
+def cw_weights(
+    logp: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    norm: str = "padded",
+    detach: bool = False,
+) -> torch.Tensor:
     """CW-GRPO's weights of one group (Wang et al. 2026, method; docs/math.md "cw", steps 1-8)."""
-    score = covariance_score(logp, adv, mask)                              # 1-3.
+    score = covariance_score(logp, adv, mask)  # 1-3.
     n_valid = mask.sum().clamp(min=1)  # a group with no valid token gets weights 0, not NaN
     score_mean = score.sum() / n_valid
-    variance = ((score - score_mean) ** 2 * mask).sum() / n_valid          # 4. ddof=0
+    variance = ((score - score_mean) ** 2 * mask).sum() / n_valid  # 4. ddof=0
     # sqrt'(0) is infinite: when every score is 0 (equal rewards) sigma = 1e-8 with zero gradient
     sigma = torch.where(variance > 0, variance, 1.0).sqrt() * (variance > 0) + 1e-8
-    kernel = torch.exp(-score ** 2 / (2 * sigma ** 2)) * mask              # 5.
-    if norm == "padded":                                                   # 6. released code
+    kernel = torch.exp(-(score**2) / (2 * sigma**2)) * mask  # 5.
+    if norm == "padded":  # 6. released code
         total = mask.shape[0] * mask.sum(1).max()
-    elif norm == "valid":                                                  # 6. paper wording
+    elif norm == "valid":  # 6. paper wording
         total = n_valid
     else:
         raise ValueError(f"cw_weights: norm must be 'padded' or 'valid', got {norm!r}")
     weights = kernel * total / kernel.sum().clamp(min=1e-30)
-    return weights.detach() if detach else weights                         # 7.
+    return weights.detach() if detach else weights  # 7.
+
 
 def cw(group: Group, cfg: Config) -> TokenTerms:
-    weights = cw_weights(group.logp, group.advantages, group.mask, norm=cfg.cw_norm,
-                         detach=cfg.cw_detach)
+    weights = cw_weights(
+        group.logp, group.advantages, group.mask, norm=cfg.cw_norm, detach=cfg.cw_detach
+    )
     if cfg.cw_reading == "gradient-only":  # value exactly 1, gradient that of the weights
         weights = group.mask + (weights - weights.detach())
     return TokenTerms(weights)
+
 
 def token_covariance(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Cui et al.'s C = (logp - mean logp) (A - mean A), means over the valid tokens (math.md)."""
@@ -489,23 +666,31 @@ def token_covariance(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) 
     n_valid = mask.sum().clamp(min=1)
     return (logp - (logp * mask).sum() / n_valid) * (adv - (adv * mask).sum() / n_valid) * mask
 
+
 def ppo_clipped(ratio: torch.Tensor, adv: torch.Tensor, cfg: Config) -> torch.Tensor:
     """Tokens whose PG term PPO's clip holds constant (no gradient)."""
-    return (((ratio < 1 - cfg.eps_low) & (adv[:, None] < 0))
-            | ((ratio > 1 + cfg.eps_high) & (adv[:, None] > 0)))
+    return ((ratio < 1 - cfg.eps_low) & (adv[:, None] < 0)) | (
+        (ratio > 1 + cfg.eps_high) & (adv[:, None] > 0)
+    )
+
 
 def clip_cov(group: Group, cfg: Config) -> TokenTerms:
     """Clip-Cov (Cui et al. 2025): zero the loss of a few random tokens with lb < C < ub."""
     cov = token_covariance(group.logp, group.advantages, group.mask)
     ratio = torch.exp(group.logp.detach() - group.old_logp)
-    candidates = ((group.mask > 0) & ~ppo_clipped(ratio, group.advantages, cfg)
-                  & (cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub))
+    candidates = (
+        (group.mask > 0)
+        & ~ppo_clipped(ratio, group.advantages, cfg)
+        & (cov > cfg.clip_cov_lb)
+        & (cov < cfg.clip_cov_ub)
+    )
     n_select = max(int(cfg.clip_cov_ratio * group.mask.sum()), 1)
     positions = candidates.nonzero()
     chosen = positions[torch.randperm(len(positions), device=positions.device)[:n_select]]
     weight = group.mask.clone()
     weight[chosen[:, 0], chosen[:, 1]] = 0
     return TokenTerms(weight)
+
 
 def kl_cov(group: Group, cfg: Config) -> TokenTerms:
     """KL-Cov (Cui et al. 2025): no clipping; |logp - old_logp| on the top-k tokens by C."""
@@ -516,30 +701,40 @@ def kl_cov(group: Group, cfg: Config) -> TokenTerms:
     extra = cfg.kl_cov_coef * (group.logp - group.old_logp).abs() * top.view_as(group.mask)
     return TokenTerms(group.mask, extra=extra, clip=False)
 
+
 def ar_weights(old_logp: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.Tensor:
     """Advantage reweighting (Yang et al. 2025, Eq. 4): w = alpha p_old + 1 - alpha, constant."""
     return (alpha * old_logp.exp() + 1 - alpha) * mask
+
 
 def lopti_active(old_logp: torch.Tensor, mask: torch.Tensor, eta: float, update_pass: int):
     """Lopti (Yang et al. 2025): pass 0 updates the tokens with p_old < eta, pass 1 the rest."""
     low = old_logp.exp() < eta
     return mask * (low if update_pass == 0 else ~low)
 
+
 def ar(group: Group, cfg: Config) -> TokenTerms:
     return TokenTerms(ar_weights(group.old_logp, group.mask, cfg.ar_alpha))
 
+
 def lopti(group: Group, cfg: Config) -> TokenTerms:
-    return TokenTerms(group.mask, active=lopti_active(group.old_logp, group.mask, cfg.lopti_eta,
-                                                      group.update_pass))
+    return TokenTerms(
+        group.mask,
+        active=lopti_active(group.old_logp, group.mask, cfg.lopti_eta, group.update_pass),
+    )
+
 
 def ar_lopti(group: Group, cfg: Config) -> TokenTerms:
-    return TokenTerms(ar_weights(group.old_logp, group.mask, cfg.ar_lopti_alpha),
-                      active=lopti_active(group.old_logp, group.mask, cfg.ar_lopti_eta,
-                                          group.update_pass))
+    return TokenTerms(
+        ar_weights(group.old_logp, group.mask, cfg.ar_lopti_alpha),
+        active=lopti_active(group.old_logp, group.mask, cfg.ar_lopti_eta, group.update_pass),
+    )
+
 
 def renormalised(keep: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Weights that make a response's token mean of the PG term run over its kept tokens only."""
     return keep * mask.sum(1, keepdim=True) / keep.sum(1, keepdim=True).clamp(min=1)
+
 
 def ict(group: Group, cfg: Config) -> TokenTerms:
     """ICT (Beyond Entropy, 2026): keep each response's top positions by JS divergence."""
@@ -548,6 +743,7 @@ def ict(group: Group, cfg: Config) -> TokenTerms:
     ranks = by_divergence.argsort(1, descending=True).argsort(1)
     keep = (ranks < keep_counts[:, None]).float() * group.mask
     return TokenTerms(renormalised(keep, group.mask))
+
 
 def sorted_quantile(sorted_values: torch.Tensor, q: float) -> torch.Tensor:
     """torch.quantile's linear interpolation, on values sorted once per batch."""
@@ -558,24 +754,31 @@ def sorted_quantile(sorted_values: torch.Tensor, q: float) -> torch.Tensor:
     high = min(low + 1, len(sorted_values) - 1)
     return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
 
+
 def entropy20(group: Group, cfg: Config) -> TokenTerms:
     """80/20 (Wang et al. 2025): PG only on tokens at or above the batch's 80th entropy pct."""
     threshold = sorted_quantile(group.batch_entropy, 1 - cfg.entropy_top_frac)
     return TokenTerms(group.mask * (group.entropy >= threshold))
 
+
 def stapo(group: Group, cfg: Config) -> TokenTerms:
     """STAPO (2026): silence positive-advantage tokens that are rare and low-entropy."""
     threshold = sorted_quantile(group.batch_entropy, cfg.stapo_entropy_percentile / 100)
-    spurious = ((group.advantages[:, None] > 0) & (group.old_logp.exp() < cfg.stapo_max_prob)
-                & (group.entropy < threshold))
+    spurious = (
+        (group.advantages[:, None] > 0)
+        & (group.old_logp.exp() < cfg.stapo_max_prob)
+        & (group.entropy < threshold)
+    )
     return TokenTerms(renormalised(group.mask * ~spurious, group.mask))
+
 
 class Method(NamedTuple):
     token_terms: Callable[[Group, Config], TokenTerms]
     description: str
-    update_passes: int = 1             # lopti: a low-probability pass, then a high one
+    update_passes: int = 1  # lopti: a low-probability pass, then a high one
     needs_old_policy_pass: bool = False  # old log-probs and entropies of the whole batch first
-    needs_divergence: bool = False     # ict's JS score, computed in that pass
+    needs_divergence: bool = False  # ict's JS score, computed in that pass
+
 
 METHODS = {
     "grpo": Method(grpo, "GRPO baseline, every token weight 1"),
@@ -583,17 +786,34 @@ METHODS = {
     "clip_cov": Method(clip_cov, "zero a few random high-covariance tokens (Cui et al. 2025)"),
     "kl_cov": Method(kl_cov, "|logp - old_logp| on top-covariance tokens (Cui et al. 2025)"),
     "ar": Method(ar, "advantage reweighting by alpha p + 1 - alpha (Yang et al. 2025)"),
-    "lopti": Method(lopti, "low-probability tokens first, then the rest (Yang et al. 2025)",
-                    update_passes=2, needs_old_policy_pass=True),
-    "ar_lopti": Method(ar_lopti, "ar and lopti together (Yang et al. 2025)", update_passes=2,
-                       needs_old_policy_pass=True),
-    "ict": Method(ict, "PG only on top-10% positions by JS divergence from the group (2026)",
-                  needs_old_policy_pass=True, needs_divergence=True),
-    "entropy20": Method(entropy20, "PG only on the top-20% entropy tokens (Wang et al. 2025)",
-                        needs_old_policy_pass=True),
-    "stapo": Method(stapo, "silence rare, low-entropy positive tokens (2026)",
-                    needs_old_policy_pass=True),
+    "lopti": Method(
+        lopti,
+        "low-probability tokens first, then the rest (Yang et al. 2025)",
+        update_passes=2,
+        needs_old_policy_pass=True,
+    ),
+    "ar_lopti": Method(
+        ar_lopti,
+        "ar and lopti together (Yang et al. 2025)",
+        update_passes=2,
+        needs_old_policy_pass=True,
+    ),
+    "ict": Method(
+        ict,
+        "PG only on top-10% positions by JS divergence from the group (2026)",
+        needs_old_policy_pass=True,
+        needs_divergence=True,
+    ),
+    "entropy20": Method(
+        entropy20,
+        "PG only on the top-20% entropy tokens (Wang et al. 2025)",
+        needs_old_policy_pass=True,
+    ),
+    "stapo": Method(
+        stapo, "silence rare, low-entropy positive tokens (2026)", needs_old_policy_pass=True
+    ),
 }
+
 
 # 8. The loss ------------------------------------------------------------------------------------
 def token_loss(logp, old_logp, ref_logp, advantages, terms: TokenTerms, cfg: Config):
@@ -610,58 +830,87 @@ def token_loss(logp, old_logp, ref_logp, advantages, terms: TokenTerms, cfg: Con
         loss = loss + cfg.beta * k3(logp, ref_logp)
     return loss if terms.active is None else loss * terms.active
 
+
 def k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Schulman's k3 estimator of KL(pi || pi_ref): exp(ref - logp) - (ref - logp) - 1 >= 0."""
     return torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, n_responses: int,
-              n_tokens: int) -> torch.Tensor:
+
+def aggregate(
+    per_token: torch.Tensor, mask: torch.Tensor, mode: str, n_responses: int, n_tokens: int
+) -> torch.Tensor:
     """The step's loss summed over micro-batches: divide by step-wide totals."""
     if mode == "seq-mean-token-mean":
         return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / n_responses
     return (per_token * mask).sum() / n_tokens
 
-def micro_batch_terms(logp, old_logp, entropy, rollout: Rollout, cfg: Config,
-                      update_pass: int) -> TokenTerms:
+
+def micro_batch_terms(
+    logp, old_logp, entropy, rollout: Rollout, cfg: Config, update_pass: int
+) -> TokenTerms:
     """The method's token terms, group by group, concatenated over the micro-batch."""
     token_terms, parts = METHODS[cfg.method].token_terms, []
     for g in (slice(i, i + cfg.group_size) for i in range(0, len(logp), cfg.group_size)):
         divergence = None if rollout.divergence is None else rollout.divergence[g]
-        parts.append(token_terms(Group(
-            logp=logp[g], old_logp=old_logp[g], advantages=rollout.advantages[g],
-            mask=rollout.completion_mask[g], entropy=entropy[g],
-            batch_entropy=rollout.batch_entropy, divergence=divergence, update_pass=update_pass),
-            cfg))
+        parts.append(
+            token_terms(
+                Group(
+                    logp=logp[g],
+                    old_logp=old_logp[g],
+                    advantages=rollout.advantages[g],
+                    mask=rollout.completion_mask[g],
+                    entropy=entropy[g],
+                    batch_entropy=rollout.batch_entropy,
+                    divergence=divergence,
+                    update_pass=update_pass,
+                ),
+                cfg,
+            )
+        )
+
     def joined(values):  # the groups' tensors side by side; None and clip are the method's
         return torch.cat(values) if isinstance(values[0], torch.Tensor) else values[0]
+
     pg_weight, extra, clip, active = map(joined, zip(*parts))
     if rollout.active is not None:
         active = rollout.active if active is None else rollout.active * active
     return TokenTerms(pg_weight, extra, clip, active)
 
-def micro_batch_loss(model, rollout: Rollout, cfg: Config, n_responses: int, n_tokens: int,
-                     update_pass: int = 0):
+
+def micro_batch_loss(
+    model, rollout: Rollout, cfg: Config, n_responses: int, n_tokens: int, update_pass: int = 0
+):
     """The micro-batch's share of the step's loss, and what its metrics read."""
     logp, entropy, _ = completion_logprobs(model, rollout, cfg)
     old_logp = rollout.old_logp if rollout.old_logp is not None else logp.detach()
     entropy = rollout.entropy if rollout.entropy is not None else entropy
     terms = micro_batch_terms(logp, old_logp, entropy, rollout, cfg, update_pass)
     per_token = token_loss(logp, old_logp, rollout.ref_logp, rollout.advantages, terms, cfg)
-    loss = aggregate(per_token, rollout.completion_mask, cfg.loss_aggregation, n_responses,
-                     n_tokens)
+    loss = aggregate(
+        per_token, rollout.completion_mask, cfg.loss_aggregation, n_responses, n_tokens
+    )
     return loss, (logp.detach(), old_logp, entropy, terms)
 
-def token_metrics(logp, old_logp, ref_logp, entropy, advantages, mask, terms: TokenTerms,
-                  cfg: Config) -> dict:
+
+def token_metrics(
+    logp, old_logp, ref_logp, entropy, advantages, mask, terms: TokenTerms, cfg: Config
+) -> dict:
     """Per valid token, what the step's metrics average (entropy, KL, clipping, the weights...)."""
     valid = mask.bool()
     active = torch.ones_like(logp) if terms.active is None else terms.active
     kl = torch.zeros_like(logp) if ref_logp is None else k3(logp, ref_logp)
     clipped = ppo_clipped(torch.exp(logp - old_logp), advantages, cfg) & terms.clip
     weight = terms.pg_weight.detach()
-    per_token = {"entropy": entropy, "kl": kl, "clipped": clipped, "w": weight,
-                 "touched": touched_tokens(terms), "pg_on": (weight != 0) & (active != 0)}
+    per_token = {
+        "entropy": entropy,
+        "kl": kl,
+        "clipped": clipped,
+        "w": weight,
+        "touched": touched_tokens(terms),
+        "pg_on": (weight != 0) & (active != 0),
+    }
     return {name: values[valid].float() for name, values in per_token.items()}
+
 
 def touched_tokens(terms: TokenTerms) -> torch.Tensor:
     """Tokens whose loss the method changed: weighted other than 1, outside the pass, penalised."""
@@ -671,6 +920,7 @@ def touched_tokens(terms: TokenTerms) -> torch.Tensor:
     if terms.extra is not None:
         touched |= terms.extra.detach() != 0
     return touched
+
 
 # 9. The training loop and checkpoints -----------------------------------------------------------
 @torch.no_grad()
@@ -683,9 +933,15 @@ def policy_token_stats(model, rollout: Rollout, cfg: Config, divergence: bool = 
         out["logp"][block], out["entropy"][block], hidden = completion_logprobs(model, part, cfg)
         if divergence:
             out["divergence"][block] = ict_divergence(
-                hidden, model.get_output_embeddings().weight, part.completion_mask,
-                cfg.temperature, cfg.logit_chunk_elements, cfg.group_size)
+                hidden,
+                model.get_output_embeddings().weight,
+                part.completion_mask,
+                cfg.temperature,
+                cfg.logit_chunk_elements,
+                cfg.group_size,
+            )
     return out
+
 
 def rollout_rewards(rollout: Rollout, grades: list[Grade], cfg: Config) -> dict:
     """Sets the batch's rewards and group advantages; returns the rollout's metrics."""
@@ -693,16 +949,21 @@ def rollout_rewards(rollout: Rollout, grades: list[Grade], cfg: Config) -> dict:
     formats = torch.tensor([format_reward(text) for text in rollout.texts])
     rollout.rewards = cfg.accuracy_weight * accuracy + cfg.format_weight * formats
     rollout.advantages = group_advantages(rollout.rewards, cfg.group_size).to(
-        rollout.completion_ids.device)
+        rollout.completion_ids.device
+    )
     group_std = rollout.rewards.view(-1, cfg.group_size).std(1)
-    return {"reward_mean": rollout.rewards.mean().item(),
-            "reward_std": rollout.rewards.std().item(),
-            "accuracy_mean": accuracy.mean().item(), "format_mean": formats.mean().item(),
-            "frac_zero_std_groups": (group_std == 0).float().mean().item(),
-            "completion_len_mean": rollout.completion_mask.sum(1).mean().item(),
-            "truncated_frac": rollout.truncated.float().mean().item(),
-            "gold_unparseable": sum(not g.gold_parsed for g in grades),
-            "grading_timeouts": sum(g.timed_out for g in grades)}
+    return {
+        "reward_mean": rollout.rewards.mean().item(),
+        "reward_std": rollout.rewards.std().item(),
+        "accuracy_mean": accuracy.mean().item(),
+        "format_mean": formats.mean().item(),
+        "frac_zero_std_groups": (group_std == 0).float().mean().item(),
+        "completion_len_mean": rollout.completion_mask.sum(1).mean().item(),
+        "truncated_frac": rollout.truncated.float().mean().item(),
+        "gold_unparseable": sum(not g.gold_parsed for g in grades),
+        "grading_timeouts": sum(g.timed_out for g in grades),
+    }
+
 
 def accumulate_gradients(model, rollout: Rollout, cfg: Config, autocast, update_pass: int = 0):
     """The step's loss gradient into .grad, micro-batch by micro-batch; the loss, the metrics."""
@@ -713,15 +974,28 @@ def accumulate_gradients(model, rollout: Rollout, cfg: Config, autocast, update_
     for _, part in rollout.micro_batches(cfg):
         with autocast():
             loss, (logp, old_logp, entropy, terms) = micro_batch_loss(
-                model, part, cfg, n_responses, n_tokens, update_pass)
+                model, part, cfg, n_responses, n_tokens, update_pass
+            )
         loss.backward()
         total_loss += loss.item()
-        metrics.append(token_metrics(logp, old_logp, part.ref_logp, entropy, part.advantages,
-                                     part.completion_mask, terms, cfg))
+        metrics.append(
+            token_metrics(
+                logp,
+                old_logp,
+                part.ref_logp,
+                entropy,
+                part.advantages,
+                part.completion_mask,
+                terms,
+                cfg,
+            )
+        )
     return total_loss, metrics
 
-def update(model, optimizer, scheduler, rollout: Rollout, cfg: Config, autocast,
-           update_pass: int = 0) -> dict:
+
+def update(
+    model, optimizer, scheduler, rollout: Rollout, cfg: Config, autocast, update_pass: int = 0
+) -> dict:
     """One optimizer step over the rollout batch; returns its metrics."""
     loss, metrics = accumulate_gradients(model, rollout, cfg, autocast, update_pass)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
@@ -733,21 +1007,31 @@ def update(model, optimizer, scheduler, rollout: Rollout, cfg: Config, autocast,
     if not len(token["w"]):  # every completion masked (--mask-truncated-completions): a 0 step
         token = {name: torch.zeros(1) for name in token}
     w = token["w"]
-    return {"loss": loss, "grad_norm": grad_norm.item(), "lr": lr,
-            **{f"{name}_mean": token[name].mean().item() for name in ("entropy", "kl", "w")},
-            "clip_frac": token["clipped"].mean().item(), "touched_frac": token["touched"].mean()
-            .item(), "pg_active_frac": token["pg_on"].mean().item(), "w_min": w.min().item(),
-            "w_std": w.std().item() if len(w) > 1 else 0.0, "w_max": w.max().item(),
-            "w_frac_below_half": (w < 0.5).float().mean().item(),
-            "w_frac_above_2": (w > 2).float().mean().item()}
+    return {
+        "loss": loss,
+        "grad_norm": grad_norm.item(),
+        "lr": lr,
+        **{f"{name}_mean": token[name].mean().item() for name in ("entropy", "kl", "w")},
+        "clip_frac": token["clipped"].mean().item(),
+        "touched_frac": token["touched"].mean().item(),
+        "pg_active_frac": token["pg_on"].mean().item(),
+        "w_min": w.min().item(),
+        "w_std": w.std().item() if len(w) > 1 else 0.0,
+        "w_max": w.max().item(),
+        "w_frac_below_half": (w < 0.5).float().mean().item(),
+        "w_frac_above_2": (w > 2).float().mean().item(),
+    }
 
-def collect_rollout(model, reference, tokenizer, prompts: PromptStream, grader: Grader,
-                    cfg: Config) -> tuple[Rollout, dict]:
+
+def collect_rollout(
+    model, reference, tokenizer, prompts: PromptStream, grader: Grader, cfg: Config
+) -> tuple[Rollout, dict]:
     """Sample a batch, score it, compute its advantages (grading runs during the passes)."""
     method = METHODS[cfg.method]
     rollout = sample(model, tokenizer, prompts.next_batch(cfg.prompts_per_step), cfg)
-    grades = grader.submit([(text, gold, "default")
-                            for text, gold in zip(rollout.texts, rollout.golds)])
+    grades = grader.submit(
+        [(text, gold, "default") for text, gold in zip(rollout.texts, rollout.golds)]
+    )
     if cfg.num_iterations > 1 or method.needs_old_policy_pass:
         stats = policy_token_stats(model, rollout, cfg, method.needs_divergence)
         rollout.old_logp, rollout.entropy = stats["logp"], stats["entropy"]
@@ -757,6 +1041,7 @@ def collect_rollout(model, reference, tokenizer, prompts: PromptStream, grader: 
         rollout.ref_logp = policy_token_stats(reference, rollout, cfg)["logp"]
     return rollout, rollout_rewards(rollout, grades(), cfg)
 
+
 @torch.no_grad()
 def token_view(model, tokenizer, rollout: Rollout, cfg: Config, label: str, shown: int = 4):
     """What tokens.html shows of the batch's first group: a few completions, token by token, with
@@ -764,23 +1049,45 @@ def token_view(model, tokenizer, rollout: Rollout, cfg: Config, label: str, show
     The RNG is restored (clip_cov draws), so training goes on unchanged."""
     rng, rows = rng_states(), rollout.select(0, cfg.group_size)
     stats, mask = policy_token_stats(model, rows, cfg, divergence=True), rows.completion_mask
-    group = Group(logp=stats["logp"], old_logp=stats["logp"], advantages=rows.advantages,
-                  mask=mask, entropy=stats["entropy"], divergence=stats["divergence"],
-                  batch_entropy=stats["entropy"][mask.bool()].sort().values, update_pass=0)
+    group = Group(
+        logp=stats["logp"],
+        old_logp=stats["logp"],
+        advantages=rows.advantages,
+        mask=mask,
+        entropy=stats["entropy"],
+        divergence=stats["divergence"],
+        batch_entropy=stats["entropy"][mask.bool()].sort().values,
+        update_pass=0,
+    )
     terms = {name: method.token_terms(group, cfg) for name, method in METHODS.items()}
     set_rng_states(rng)
     weights = {k: t.pg_weight * (1 if t.active is None else t.active) for k, t in terms.items()}
-    return plots.token_view(label, tokenizer, rows.completion_ids[:shown], mask, stats["logp"],
-                            covariance_score(stats["logp"], rows.advantages, mask), rows.advantages,
-                            weights, {k: touched_tokens(t) for k, t in terms.items()})
+    return plots.token_view(
+        label,
+        tokenizer,
+        rows.completion_ids[:shown],
+        mask,
+        stats["logp"],
+        covariance_score(stats["logp"], rows.advantages, mask),
+        rows.advantages,
+        weights,
+        {k: touched_tokens(t) for k, t in terms.items()},
+    )
+
 
 def draw(output_dir: Path, cfg: Config, views: list[dict]) -> None:
     """The run's curves (curves.png) and its tokens (tokens.html), redrawn from what it holds."""
     title = f"{cfg.method} on {cfg.model}, seed {cfg.seed}"
     plots.plot_run(output_dir / "metrics.jsonl", output_dir / "curves.png", title)
     (output_dir / "token_views.json").write_text(json.dumps(views))
-    plots.token_page(output_dir / "tokens.html", title, cfg.method,
-                     {name: m.description for name, m in METHODS.items()}, views)
+    plots.token_page(
+        output_dir / "tokens.html",
+        title,
+        cfg.method,
+        {name: m.description for name, m in METHODS.items()},
+        views,
+    )
+
 
 def train(cfg: Config, on_rollout: Callable | None = None) -> Path:
     """GRPO with cfg.method's token terms. on_rollout(step, model, rollout, autocast), if given,
@@ -789,29 +1096,44 @@ def train(cfg: Config, on_rollout: Callable | None = None) -> Path:
     device = resolve_device(cfg.device, cfg.preset if cfg.preset in GPU_PRESETS else "")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    print(f"cwgrpo: --method {cfg.method} on {cfg.model}, data {cfg.dataset}\n"
-          f"  {cfg.prompts_per_step} prompts x G = {cfg.group_size} per step, {cfg.steps} steps, "
-          f"beta {cfg.beta:g}, lr {cfg.learning_rate:g}; output {cfg.output_dir}", flush=True)
+    print(
+        f"cwgrpo: --method {cfg.method} on {cfg.model}, data {cfg.dataset}\n"
+        f"  {cfg.prompts_per_step} prompts x G = {cfg.group_size} per step, {cfg.steps} steps, "
+        f"beta {cfg.beta:g}, lr {cfg.learning_rate:g}; output {cfg.output_dir}",
+        flush=True,
+    )
     plots.pyplot()  # fail now, not at the first checkpoint, if matplotlib is missing
     with RunLock(Path(cfg.output_dir)), StopRequest() as stop:  # a live run's folder: stop here
         check_model_path(cfg.model, " (build it with: python tiny.py)" * (cfg.preset == "tiny"))
         check_resumable(Path(cfg.output_dir), cfg.resume)
-        dataset = load_dataset(cfg.dataset, cfg.dataset_split, cfg.question_column,
-                               cfg.gold_column)
+        dataset = load_dataset(cfg.dataset, cfg.dataset_split, cfg.question_column, cfg.gold_column)
         output_dir = run(cfg, device, dataset, on_rollout, stop)
-    print(plots.run_summary(output_dir, time.perf_counter() - start,
-                            f"python evaluate.py --model {output_dir / 'final-model'}"
-                            + EVALUATE_OPTIONS.get(cfg.preset, "")))
+    print(
+        plots.run_summary(
+            output_dir,
+            time.perf_counter() - start,
+            f"python evaluate.py --model {output_dir / 'final-model'}"
+            + EVALUATE_OPTIONS.get(cfg.preset, ""),
+        )
+    )
     return output_dir
 
-def run(cfg: Config, device: torch.device, dataset, on_rollout: Callable | None,
-        stop: StopRequest) -> Path:
+
+def run(
+    cfg: Config, device: torch.device, dataset, on_rollout: Callable | None, stop: StopRequest
+) -> Path:
     """The loop of train(), inside the output folder's lock: sample, score, advantages, update,
     log, save."""
-    output_dir = prepare_output_dir(Path(cfg.output_dir), cfg.resume, cfg.overwrite_output_dir,
-                                    dataclasses.asdict(cfg) | {
-                                        "torch_threads": torch.get_num_threads(),
-                                        "reward_workers_used": reward_worker_count(cfg)})
+    output_dir = prepare_output_dir(
+        Path(cfg.output_dir),
+        cfg.resume,
+        cfg.overwrite_output_dir,
+        dataclasses.asdict(cfg)
+        | {
+            "torch_threads": torch.get_num_threads(),
+            "reward_workers_used": reward_worker_count(cfg),
+        },
+    )
     transformers.utils.logging.disable_progress_bar()
     resume_from = latest_checkpoint(output_dir) if cfg.resume else None
     print(f"loading {resume_from or cfg.model} ...", flush=True)
@@ -824,15 +1146,21 @@ def run(cfg: Config, device: torch.device, dataset, on_rollout: Callable | None,
     grader = Grader(cfg.reward_timeout_s, reward_worker_count(cfg))
     method = METHODS[cfg.method]
     if cfg.method == "kl_cov" and cfg.num_iterations == 1:
-        print("note: kl_cov does nothing with one update per rollout batch: logp == old_logp, so "
-              "its penalty |logp - old_logp| is 0 and it trains as GRPO; use --num-iterations 2")
+        print(
+            "note: kl_cov does nothing with one update per rollout batch: logp == old_logp, so "
+            "its penalty |logp - old_logp| is 0 and it trains as GRPO; use --num-iterations 2"
+        )
     updates_per_rollout = cfg.num_iterations * method.update_passes
     total_updates = cfg.steps * updates_per_rollout
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate,
-                                  weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay
+    )
     scheduler = transformers.get_cosine_with_min_lr_schedule_with_warmup(
-        optimizer, int(cfg.warmup_ratio * total_updates), total_updates,
-        min_lr_rate=cfg.min_lr_ratio)
+        optimizer,
+        int(cfg.warmup_ratio * total_updates),
+        total_updates,
+        min_lr_rate=cfg.min_lr_ratio,
+    )
     start_step, views = 0, []
     if resume_from is not None:
         state = torch.load(resume_from / "trainer_state.pt", weights_only=False)
@@ -848,13 +1176,15 @@ def run(cfg: Config, device: torch.device, dataset, on_rollout: Callable | None,
     keep_records_until(metrics_path, start_step)
 
     autocast = bf16_autocast(device)
-    progress = tqdm(range(start_step, cfg.steps), initial=start_step, total=cfg.steps,
-                    desc=cfg.method)
+    progress = tqdm(
+        range(start_step, cfg.steps), initial=start_step, total=cfg.steps, desc=cfg.method
+    )
     for step in progress:
         t0 = time.perf_counter()
         with autocast():
-            rollout, rollout_metrics = collect_rollout(model, reference, tokenizer, prompts,
-                                                       grader, cfg)
+            rollout, rollout_metrics = collect_rollout(
+                model, reference, tokenizer, prompts, grader, cfg
+            )
             if step == 0 or step + 1 == cfg.steps:
                 views.append(token_view(model, tokenizer, rollout, cfg, f"step {step + 1}"))
         rollout_s = time.perf_counter() - t0
@@ -863,37 +1193,60 @@ def run(cfg: Config, device: torch.device, dataset, on_rollout: Callable | None,
         for update_index in range(updates_per_rollout):
             t1 = time.perf_counter()
             update_pass = update_index % method.update_passes
-            record = {"step": step * updates_per_rollout + update_index + 1,
-                      "rollout_step": step + 1, "update_pass": update_pass, **rollout_metrics,
-                      **update(model, optimizer, scheduler, rollout, cfg, autocast, update_pass),
-                      "prompts_skipped": prompts.skipped, "rollout_s": rollout_s,
-                      "update_s": time.perf_counter() - t1, "time": time.time()}
-            record["tokens_per_s"] = rollout.completion_mask.sum().item() / (rollout_s +
-                                                                            record["update_s"])
+            record = {
+                "step": step * updates_per_rollout + update_index + 1,
+                "rollout_step": step + 1,
+                "update_pass": update_pass,
+                **rollout_metrics,
+                **update(model, optimizer, scheduler, rollout, cfg, autocast, update_pass),
+                "prompts_skipped": prompts.skipped,
+                "rollout_s": rollout_s,
+                "update_s": time.perf_counter() - t1,
+                "time": time.time(),
+            }
+            record["tokens_per_s"] = rollout.completion_mask.sum().item() / (
+                rollout_s + record["update_s"]
+            )
             with metrics_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
-        progress.set_postfix(reward=f"{record['reward_mean']:.3f}",
-                             entropy=f"{record['entropy_mean']:.3f}")
+        progress.set_postfix(
+            reward=f"{record['reward_mean']:.3f}", entropy=f"{record['entropy_mean']:.3f}"
+        )
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps or stop.requested:
-            save_checkpoint(output_dir, f"checkpoint-{step + 1}", model, tokenizer, {
-                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "rng": rng_states(), "step": step + 1, "data_position": prompts.position})
+            save_checkpoint(
+                output_dir,
+                f"checkpoint-{step + 1}",
+                model,
+                tokenizer,
+                {
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "rng": rng_states(),
+                    "step": step + 1,
+                    "data_position": prompts.position,
+                },
+            )
             draw(output_dir, cfg, views)
         if stop.requested:
             grader.close()
-            raise SystemExit(f"stopped after step {step + 1} (saved checkpoint-{step + 1}); "
-                             f"resume with: {resume_command()}")
+            raise SystemExit(
+                f"stopped after step {step + 1} (saved checkpoint-{step + 1}); "
+                f"resume with: {resume_command()}"
+            )
     grader.close()
     save_checkpoint(output_dir, "final-model", model, tokenizer)
     return output_dir
+
 
 def main(argv=None) -> None:
     cfg = parse_config(argv)
     try:
         train(cfg)
     except KeyboardInterrupt:
-        raise SystemExit(f"interrupted: the step under way is lost; resume from the last "
-                         f"checkpoint with: {resume_command()}") from None
+        raise SystemExit(
+            f"interrupted: the step under way is lost; resume from the last "
+            f"checkpoint with: {resume_command()}"
+        ) from None
 
 
 if __name__ == "__main__":

@@ -44,43 +44,88 @@ VERL_METHODS = {  # verl name -> (cwgrpo method, Config overrides)
 
 def cwgrpo_config(verl_config, overrides: dict) -> cwgrpo.Config:
     """cwgrpo's Config with verl's clip range and, for clip_cov/kl_cov, verl's policy_loss settings."""
-    low = verl_config.clip_ratio_low if verl_config.clip_ratio_low is not None else verl_config.clip_ratio
-    high = verl_config.clip_ratio_high if verl_config.clip_ratio_high is not None else verl_config.clip_ratio
+    low = (
+        verl_config.clip_ratio_low
+        if verl_config.clip_ratio_low is not None
+        else verl_config.clip_ratio
+    )
+    high = (
+        verl_config.clip_ratio_high
+        if verl_config.clip_ratio_high is not None
+        else verl_config.clip_ratio
+    )
     policy_loss = verl_config.policy_loss
-    from_verl = {name: getattr(policy_loss, verl_name) for name, verl_name in (
-        ("clip_cov_ratio", "clip_cov_ratio"), ("clip_cov_lb", "clip_cov_lb"), ("clip_cov_ub", "clip_cov_ub"),
-        ("kl_cov_ratio", "kl_cov_ratio"), ("kl_cov_coef", "ppo_kl_coef")) if getattr(policy_loss, verl_name, None) is not None}
-    return dataclasses.replace(cwgrpo.Config(), eps_low=low, eps_high=high, beta=0.0, **from_verl, **overrides)
+    from_verl = {
+        name: getattr(policy_loss, verl_name)
+        for name, verl_name in (
+            ("clip_cov_ratio", "clip_cov_ratio"),
+            ("clip_cov_lb", "clip_cov_lb"),
+            ("clip_cov_ub", "clip_cov_ub"),
+            ("kl_cov_ratio", "kl_cov_ratio"),
+            ("kl_cov_coef", "ppo_kl_coef"),
+        )
+        if getattr(policy_loss, verl_name, None) is not None
+    }
+    return dataclasses.replace(
+        cwgrpo.Config(), eps_low=low, eps_high=high, beta=0.0, **from_verl, **overrides
+    )
 
 
 def make_policy_loss(method_name: str, overrides: dict):
     method = cwgrpo.METHODS[method_name]
 
-    def policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
-                    response_mask: torch.Tensor, loss_agg_mode: str = "token-mean", config=None,
-                    rollout_is_weights: torch.Tensor | None = None):
+    def policy_loss(
+        old_log_prob: torch.Tensor,
+        log_prob: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        loss_agg_mode: str = "token-mean",
+        config=None,
+        rollout_is_weights: torch.Tensor | None = None,
+    ):
         cfg = cwgrpo_config(config, overrides)
         mask = response_mask.to(log_prob.dtype)
         # verl's advantages are per token; GRPO's are constant along a response
         per_response = (advantages * mask).sum(1) / mask.sum(1).clamp(min=1)
-        group = cwgrpo.Group(logp=log_prob, old_logp=old_log_prob, advantages=per_response,
-                             mask=mask, entropy=torch.zeros_like(log_prob), batch_entropy=None,
-                             divergence=None, update_pass=0)
+        group = cwgrpo.Group(
+            logp=log_prob,
+            old_logp=old_log_prob,
+            advantages=per_response,
+            mask=mask,
+            entropy=torch.zeros_like(log_prob),
+            batch_entropy=None,
+            divergence=None,
+            update_pass=0,
+        )
         terms = method.token_terms(group, cfg)
         loss = cwgrpo.token_loss(log_prob, old_log_prob, None, per_response, terms, cfg)
         if rollout_is_weights is not None:
             loss = loss * rollout_is_weights
-        pg_loss = agg_loss(loss_mat=loss, loss_mask=response_mask, loss_agg_mode=loss_agg_mode,
-                           **getattr(config, "global_batch_info", {}))
-        token = cwgrpo.token_metrics(log_prob.detach(), old_log_prob, None,
-                                     torch.zeros_like(log_prob), per_response, mask, terms, cfg)
+        pg_loss = agg_loss(
+            loss_mat=loss,
+            loss_mask=response_mask,
+            loss_agg_mode=loss_agg_mode,
+            **getattr(config, "global_batch_info", {}),
+        )
+        token = cwgrpo.token_metrics(
+            log_prob.detach(),
+            old_log_prob,
+            None,
+            torch.zeros_like(log_prob),
+            per_response,
+            mask,
+            terms,
+            cfg,
+        )
         valid = response_mask.bool()
-        return pg_loss, {"actor/pg_clipfrac": token["clipped"].mean().item(),
-                         "actor/ppo_kl": (old_log_prob - log_prob).detach()[valid].mean().item(),
-                         "actor/cwgrpo_w_mean": token["w"].mean().item(),
-                         "actor/cwgrpo_w_min": token["w"].min().item(),
-                         "actor/cwgrpo_w_max": token["w"].max().item(),
-                         "actor/cwgrpo_touched_frac": token["touched"].mean().item()}
+        return pg_loss, {
+            "actor/pg_clipfrac": token["clipped"].mean().item(),
+            "actor/ppo_kl": (old_log_prob - log_prob).detach()[valid].mean().item(),
+            "actor/cwgrpo_w_mean": token["w"].mean().item(),
+            "actor/cwgrpo_w_min": token["w"].min().item(),
+            "actor/cwgrpo_w_max": token["w"].max().item(),
+            "actor/cwgrpo_touched_frac": token["touched"].mean().item(),
+        }
 
     policy_loss.__name__ = f"cwgrpo_{method_name}_policy_loss"
     return policy_loss
@@ -104,34 +149,62 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None) -> f
     if _grader is None:
         _grader = cwgrpo.Grader()
     format_weight = (extra_info or {}).get("format_weight", 1.0)
-    return _grader.grade(solution_str, ground_truth).accuracy + format_weight * cwgrpo.format_reward(solution_str)
+    return _grader.grade(
+        solution_str, ground_truth
+    ).accuracy + format_weight * cwgrpo.format_reward(solution_str)
 
 
-def convert(dataset: str, output_dir: str, question_column: str = "problem", gold_column: str = "solution",
-            system_prompt: str = cwgrpo.OPEN_RS_SYSTEM_PROMPT, format_weight: float = 1.0) -> Path:
+def convert(
+    dataset: str,
+    output_dir: str,
+    question_column: str = "problem",
+    gold_column: str = "solution",
+    system_prompt: str = cwgrpo.OPEN_RS_SYSTEM_PROMPT,
+    format_weight: float = 1.0,
+) -> Path:
     """Open-RS (or any problem/solution data) as verl's RL parquet: chat prompt, rule reward, gold."""
     rows = cwgrpo.load_dataset(dataset, "train", question_column, gold_column)
 
     def to_verl(row, index):
         prompt = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
-            {"role": "user", "content": str(row[question_column])}]
-        return {"data_source": dataset, "prompt": prompt, "ability": "math",
-                "reward_model": {"style": "rule", "ground_truth": str(row[gold_column])},
-                "extra_info": {"index": index, "format_weight": format_weight}}
+            {"role": "user", "content": str(row[question_column])}
+        ]
+        return {
+            "data_source": dataset,
+            "prompt": prompt,
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(row[gold_column])},
+            "extra_info": {"index": index, "format_weight": format_weight},
+        }
 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rows.map(to_verl, with_indices=True, remove_columns=rows.column_names).to_parquet(str(out / "train.parquet"))
+    rows.map(to_verl, with_indices=True, remove_columns=rows.column_names).to_parquet(
+        str(out / "train.parquet")
+    )
     return out / "train.parquet"
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Write verl's train.parquet from Open-RS-style data.")
-    parser.add_argument("--dataset", default="knoveleng/open-rs", help="hub id or local .json/.jsonl/.parquet/.csv")
+    parser = argparse.ArgumentParser(
+        description="Write verl's train.parquet from Open-RS-style data."
+    )
+    parser.add_argument(
+        "--dataset", default="knoveleng/open-rs", help="hub id or local .json/.jsonl/.parquet/.csv"
+    )
     parser.add_argument("--output-dir", default="data/open-rs-verl")
     parser.add_argument("--question-column", default="problem")
     parser.add_argument("--gold-column", default="solution")
-    parser.add_argument("--format-weight", type=float, default=1.0, help="0 for the 7B recipe (accuracy only)")
+    parser.add_argument(
+        "--format-weight", type=float, default=1.0, help="0 for the 7B recipe (accuracy only)"
+    )
     args = parser.parse_args()
-    print(convert(args.dataset, args.output_dir, args.question_column, args.gold_column,
-                  format_weight=args.format_weight))
+    print(
+        convert(
+            args.dataset,
+            args.output_dir,
+            args.question_column,
+            args.gold_column,
+            format_weight=args.format_weight,
+        )
+    )

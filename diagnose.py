@@ -35,16 +35,21 @@ PAPER_CONCENTRATION = {0.0001: (11.5, -13.6), 1.0: (0.06, -0.04)}  # CW-GRPO, R1
 
 @dataclass
 class BatchConfig:
-    reference_model: str = cwgrpo.arg("", "the KL reference (e.g. runs/tiny-base/model); default "
-                                          "the model itself, which makes the KL part 0")
-    diagnostics_dir: str = cwgrpo.arg("", "where diagnostics.md and .json go "
-                                          "(default <model>/diagnostics)")
+    reference_model: str = cwgrpo.arg(
+        "",
+        "the KL reference (e.g. runs/tiny-base/model); default "
+        "the model itself, which makes the KL part 0",
+    )
+    diagnostics_dir: str = cwgrpo.arg(
+        "", "where diagnostics.md and .json go (default <model>/diagnostics)"
+    )
 
 
 @dataclass
 class TrainConfig:
-    every: int = cwgrpo.arg(15, "append the diagnostics to diagnostics.jsonl every this many "
-                                "rollout steps")
+    every: int = cwgrpo.arg(
+        15, "append the diagnostics to diagnostics.jsonl every this many rollout steps"
+    )
 
 
 @dataclass
@@ -59,8 +64,12 @@ def concentration(scores: torch.Tensor) -> dict:
     out = {}
     for side, sign in (("positive", 1.0), ("negative", -1.0)):
         magnitudes = (scores[scores * sign > 0] * sign).sort(descending=True).values
-        out[side] = {cut: (sign * magnitudes[:max(1, math.ceil(cut * len(magnitudes)))].mean())
-                     .item() if len(magnitudes) else 0.0 for cut in CONCENTRATION_CUTOFFS}
+        out[side] = {
+            cut: (sign * magnitudes[: max(1, math.ceil(cut * len(magnitudes)))].mean()).item()
+            if len(magnitudes)
+            else 0.0
+            for cut in CONCENTRATION_CUTOFFS
+        }
     return out
 
 
@@ -81,25 +90,35 @@ def logp_and_squared_mass(model, rollout: cwgrpo.Rollout, cfg: cwgrpo.Config):
         logp[block], _, hidden = cwgrpo.completion_logprobs(model, part, cfg)
         valid = part.completion_mask.bool()
         squared_mass[block][valid] = squared_probability_mass(
-            hidden[valid], head, cfg.temperature, cfg.logit_chunk_elements)
+            hidden[valid], head, cfg.temperature, cfg.logit_chunk_elements
+        )
     return logp, squared_mass
 
 
 def quartile_gradients(model, rollout, cfg, autocast, quartiles: list[torch.Tensor]) -> dict:
     """L2 norm of the parameter gradient of the step's loss with only one quartile's tokens
     active (their PG and KL terms; the rest masked), and its cosine with the full gradient."""
+
     def gradient(active: torch.Tensor) -> torch.Tensor:
         model.zero_grad(set_to_none=True)
-        cwgrpo.accumulate_gradients(model, dataclasses.replace(rollout, active=active), cfg,
-                                    autocast)
-        return torch.cat([torch.zeros(p.numel(), device=p.device) if p.grad is None
-                          else p.grad.flatten() for p in model.parameters()])
+        cwgrpo.accumulate_gradients(
+            model, dataclasses.replace(rollout, active=active), cfg, autocast
+        )
+        return torch.cat(
+            [
+                torch.zeros(p.numel(), device=p.device) if p.grad is None else p.grad.flatten()
+                for p in model.parameters()
+            ]
+        )
+
     full = gradient(rollout.completion_mask)
     per_quartile = [gradient(q.float()) for q in quartiles]
     model.zero_grad(set_to_none=True)
-    return {"full_norm": full.norm().item(), "norm": [g.norm().item() for g in per_quartile],
-            "cosine_with_full": [F.cosine_similarity(g, full, dim=0).item()
-                                 for g in per_quartile]}
+    return {
+        "full_norm": full.norm().item(),
+        "norm": [g.norm().item() for g in per_quartile],
+        "cosine_with_full": [F.cosine_similarity(g, full, dim=0).item() for g in per_quartile],
+    }
 
 
 def scatter_valid(flat: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -116,17 +135,32 @@ def diagnose_rollout(model, rollout: cwgrpo.Rollout, cfg: cwgrpo.Config, autocas
     logp, squared_mass = logp_and_squared_mass(model, rollout, cfg)
     mask, valid = rollout.completion_mask, rollout.completion_mask.bool()
     groups = [slice(i, i + cfg.group_size) for i in range(0, len(rollout.texts), cfg.group_size)]
-    score = torch.cat([cwgrpo.covariance_score(logp[g], rollout.advantages[g], mask[g])
-                       for g in groups])[valid]
-    cw = torch.cat([cwgrpo.cw_weights(logp[g], rollout.advantages[g], mask[g], norm=cfg.cw_norm)
-                    for g in groups])[valid]
+    score = torch.cat(
+        [cwgrpo.covariance_score(logp[g], rollout.advantages[g], mask[g]) for g in groups]
+    )[valid]
+    cw = torch.cat(
+        [
+            cwgrpo.cw_weights(logp[g], rollout.advantages[g], mask[g], norm=cfg.cw_norm)
+            for g in groups
+        ]
+    )[valid]
     prob = logp.exp()[valid]
     quartiles = quantile_masks(prob, 4)
     logit_grad_unit = (1 - 2 * prob + squared_mass[valid]).clamp(min=0).sqrt()  # ||onehot - p||
-    report = {"tokens": int(valid.sum()), "concentration": concentration(score), "quartiles": [
-        {"prob_min": prob[q].min().item(), "prob_max": prob[q].max().item(),
-         "tokens": int(q.sum()), "cw_weight_mean": cw[q].mean().item()} for q in quartiles],
-        "cw_weight_by_covariance_decile": [cw[d].mean().item() for d in quantile_masks(score, 10)]}
+    report = {
+        "tokens": int(valid.sum()),
+        "concentration": concentration(score),
+        "quartiles": [
+            {
+                "prob_min": prob[q].min().item(),
+                "prob_max": prob[q].max().item(),
+                "tokens": int(q.sum()),
+                "cw_weight_mean": cw[q].mean().item(),
+            }
+            for q in quartiles
+        ],
+        "cw_weight_by_covariance_decile": [cw[d].mean().item() for d in quantile_masks(score, 10)],
+    }
     adv = rollout.advantages[:, None].expand_as(logp)[valid]
     for beta in sorted({0.0, cfg.beta}):
         # Yang et al.'s token weight (their Eq. 8), on-policy: A + beta (pi_ref / pi - 1)
@@ -135,9 +169,12 @@ def diagnose_rollout(model, rollout: cwgrpo.Rollout, cfg: cwgrpo.Config, autocas
             weight += beta * ((rollout.ref_logp - logp)[valid].exp() - 1)
         key = f"beta={beta:g}"
         gradients = quartile_gradients(
-            model, dataclasses.replace(rollout, ref_logp=rollout.ref_logp if beta else None),
-            dataclasses.replace(cfg, beta=beta), autocast,
-            [scatter_valid(q, valid) for q in quartiles])
+            model,
+            dataclasses.replace(rollout, ref_logp=rollout.ref_logp if beta else None),
+            dataclasses.replace(cfg, beta=beta),
+            autocast,
+            [scatter_valid(q, valid) for q in quartiles],
+        )
         report.setdefault("full_gradient_norm", {})[key] = gradients["full_norm"]
         for i, q in enumerate(quartiles):
             report["quartiles"][i][key] = {
@@ -145,71 +182,115 @@ def diagnose_rollout(model, rollout: cwgrpo.Rollout, cfg: cwgrpo.Config, autocas
                 "abs_weight_median": weight[q].abs().median().item(),
                 "logit_grad_norm_mean": (weight[q].abs() * logit_grad_unit[q]).mean().item(),
                 "param_grad_norm": gradients["norm"][i],
-                "cosine_with_full": gradients["cosine_with_full"][i]}
+                "cosine_with_full": gradients["cosine_with_full"][i],
+            }
     cwgrpo.set_rng_states(rng)
     return report
 
 
 def diagnostics_markdown(report: dict, cfg: cwgrpo.Config, source: str) -> str:
     cut_names = [f"{100 * c:g}%" for c in CONCENTRATION_CUTOFFS]
-    lines = [f"# Diagnostics of {source}", "",
-             f"One rollout batch of `--preset {cfg.preset}`: {cfg.prompts_per_step} prompts x G = "
-             f"{cfg.group_size}, {report['tokens']} valid tokens, method `{cfg.method}` for the "
-             f"gradients.", "", "## Covariance concentration", "",
-             "Mean CW covariance score (docs/math.md, cw step 3) of the top X% of the positive "
-             "(negative) scores.", "",
-             "| side | " + " | ".join(cut_names) + " |", "|---|" + "---|" * len(cut_names)]
+    lines = [
+        f"# Diagnostics of {source}",
+        "",
+        f"One rollout batch of `--preset {cfg.preset}`: {cfg.prompts_per_step} prompts x G = "
+        f"{cfg.group_size}, {report['tokens']} valid tokens, method `{cfg.method}` for the "
+        f"gradients.",
+        "",
+        "## Covariance concentration",
+        "",
+        "Mean CW covariance score (docs/math.md, cw step 3) of the top X% of the positive "
+        "(negative) scores.",
+        "",
+        "| side | " + " | ".join(cut_names) + " |",
+        "|---|" + "---|" * len(cut_names),
+    ]
     for side in ("positive", "negative"):
-        lines.append(f"| {side} (measured) | " + " | ".join(
-            f"{report['concentration'][side][c]:.4g}" for c in CONCENTRATION_CUTOFFS) + " |")
+        lines.append(
+            f"| {side} (measured) | "
+            + " | ".join(f"{report['concentration'][side][c]:.4g}" for c in CONCENTRATION_CUTOFFS)
+            + " |"
+        )
     for i, side in enumerate(("positive", "negative")):
-        lines.append(f"| {side} (paper, 1.5B) | " + " | ".join(
-            f"{PAPER_CONCENTRATION[c][i]:g}" if c in PAPER_CONCENTRATION else "-"
-            for c in CONCENTRATION_CUTOFFS) + " |")
+        lines.append(
+            f"| {side} (paper, 1.5B) | "
+            + " | ".join(
+                f"{PAPER_CONCENTRATION[c][i]:g}" if c in PAPER_CONCENTRATION else "-"
+                for c in CONCENTRATION_CUTOFFS
+            )
+            + " |"
+        )
     betas = list(report["full_gradient_norm"])
     full_norms = ", ".join(f"{b}: {report['full_gradient_norm'][b]:.4g}" for b in betas)
-    lines += ["", "## Probability-quartile accounting", "",
-              "Valid tokens split at the quartiles of their probability. |w| is the token weight "
-              "A x ratio + beta (pi_ref / pi - 1); the logit-gradient norm is |w| ||onehot - p||; "
-              "the parameter-gradient norm is that of the step's loss with only the quartile's "
-              f"tokens active; cos is its cosine with the full gradient (full norms: "
-              f"{full_norms}).", "",
-              "| quartile | p range | tokens | " + " | ".join(
-                  f"mean \\|w\\| {b} | median \\|w\\| {b} | logit grad {b} | param grad {b} | "
-                  f"cos {b}" for b in betas) + " | CW weight |",
-              "|---|---|---|" + "---|" * (5 * len(betas) + 1)]
+    lines += [
+        "",
+        "## Probability-quartile accounting",
+        "",
+        "Valid tokens split at the quartiles of their probability. |w| is the token weight "
+        "A x ratio + beta (pi_ref / pi - 1); the logit-gradient norm is |w| ||onehot - p||; "
+        "the parameter-gradient norm is that of the step's loss with only the quartile's "
+        f"tokens active; cos is its cosine with the full gradient (full norms: "
+        f"{full_norms}).",
+        "",
+        "| quartile | p range | tokens | "
+        + " | ".join(
+            f"mean \\|w\\| {b} | median \\|w\\| {b} | logit grad {b} | param grad {b} | cos {b}"
+            for b in betas
+        )
+        + " | CW weight |",
+        "|---|---|---|" + "---|" * (5 * len(betas) + 1),
+    ]
     for i, q in enumerate(report["quartiles"]):
-        cells = [f"{q[b]['abs_weight_mean']:.4g} | {q[b]['abs_weight_median']:.4g} | "
-                 f"{q[b]['logit_grad_norm_mean']:.4g} | {q[b]['param_grad_norm']:.4g} | "
-                 f"{q[b]['cosine_with_full']:.3f}" for b in betas]
-        lines.append(f"| Q{i + 1} | {q['prob_min']:.3g} - {q['prob_max']:.3g} | {q['tokens']} | "
-                     + " | ".join(cells) + f" | {q['cw_weight_mean']:.3f} |")
+        cells = [
+            f"{q[b]['abs_weight_mean']:.4g} | {q[b]['abs_weight_median']:.4g} | "
+            f"{q[b]['logit_grad_norm_mean']:.4g} | {q[b]['param_grad_norm']:.4g} | "
+            f"{q[b]['cosine_with_full']:.3f}"
+            for b in betas
+        ]
+        lines.append(
+            f"| Q{i + 1} | {q['prob_min']:.3g} - {q['prob_max']:.3g} | {q['tokens']} | "
+            + " | ".join(cells)
+            + f" | {q['cw_weight_mean']:.3f} |"
+        )
     deciles = report["cw_weight_by_covariance_decile"]
-    lines += ["", "## CW weights by covariance decile", "",
-              "| decile | " + " | ".join(f"D{i + 1}" for i in range(10)) + " |",
-              "|---|" + "---|" * 10,
-              "| mean CW weight | " + " | ".join(f"{w:.3f}" for w in deciles) + " |"]
+    lines += [
+        "",
+        "## CW weights by covariance decile",
+        "",
+        "| decile | " + " | ".join(f"D{i + 1}" for i in range(10)) + " |",
+        "|---|" + "---|" * 10,
+        "| mean CW weight | " + " | ".join(f"{w:.3f}" for w in deciles) + " |",
+    ]
     return "\n".join(lines) + "\n"
 
 
 def batch(argv: list) -> Path:
     """The diagnostics of one rollout batch sampled from --model with the run's settings."""
     cfg, bcfg = cwgrpo.parse_config(argv, BatchConfig)
-    device = cwgrpo.resolve_device(cfg.device, cfg.preset if cfg.preset in cwgrpo.GPU_PRESETS else "")
+    device = cwgrpo.resolve_device(
+        cfg.device, cfg.preset if cfg.preset in cwgrpo.GPU_PRESETS else ""
+    )
     transformers.utils.logging.disable_progress_bar()
     tokenizer = cwgrpo.load_tokenizer(cfg.model)
     model = cwgrpo.load_model(cfg.model, torch.float32, device)
-    reference = cwgrpo.load_reference(bcfg.reference_model or cfg.model, device) \
-        if cfg.beta > 0 else None
+    reference = (
+        cwgrpo.load_reference(bcfg.reference_model or cfg.model, device) if cfg.beta > 0 else None
+    )
     autocast = cwgrpo.bf16_autocast(device)
     torch.manual_seed(cfg.seed)
-    prompts = cwgrpo.PromptStream(cwgrpo.load_dataset(
-        cfg.dataset, cfg.dataset_split, cfg.question_column, cfg.gold_column), tokenizer, cfg)
+    prompts = cwgrpo.PromptStream(
+        cwgrpo.load_dataset(cfg.dataset, cfg.dataset_split, cfg.question_column, cfg.gold_column),
+        tokenizer,
+        cfg,
+    )
     grader = cwgrpo.Grader(cfg.reward_timeout_s, cwgrpo.reward_worker_count(cfg))
     with autocast():
         rollout = cwgrpo.sample(model, tokenizer, prompts.next_batch(cfg.prompts_per_step), cfg)
-        cwgrpo.rollout_rewards(rollout, grader.map(
-            [(t, g, "default") for t, g in zip(rollout.texts, rollout.golds)]), cfg)
+        cwgrpo.rollout_rewards(
+            rollout,
+            grader.map([(t, g, "default") for t, g in zip(rollout.texts, rollout.golds)]),
+            cfg,
+        )
         if reference is not None:
             rollout.ref_logp = cwgrpo.policy_token_stats(reference, rollout, cfg)["logp"]
     grader.close()
@@ -232,6 +313,7 @@ def train(argv: list) -> Path:
             report = diagnose_rollout(model, rollout, cfg, autocast)
             with path.open("a") as f:
                 f.write(json.dumps({"rollout_step": step, **report}) + "\n")
+
     if cfg.resume:
         cwgrpo.keep_records_until(path, resumed_step(Path(cfg.output_dir)))
     return cwgrpo.train(cfg, on_rollout=on_rollout)
@@ -244,18 +326,25 @@ def resumed_step(output_dir: Path) -> int:
 
 def plot(argv: list) -> Path:
     """Entropy and the top-0.01% covariance over training steps, several runs on one figure."""
-    (pcfg,) = HfArgumentParser(PlotConfig, prog="diagnose.py plot").parse_args_into_dataclasses(argv)
+    (pcfg,) = HfArgumentParser(PlotConfig, prog="diagnose.py plot").parse_args_into_dataclasses(
+        argv
+    )
     runs, top = {}, str(CONCENTRATION_CUTOFFS[0])
     for run in map(Path, pcfg.runs):
         if not (run / "diagnostics.jsonl").is_file():
-            raise SystemExit(f"error: {run} has no diagnostics.jsonl; train it with "
-                             f"python diagnose.py train --every N ...")
+            raise SystemExit(
+                f"error: {run} has no diagnostics.jsonl; train it with "
+                f"python diagnose.py train --every N ..."
+            )
         metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         found = [json.loads(line) for line in (run / "diagnostics.jsonl").read_text().splitlines()]
-        runs[run.name] = ([r["step"] for r in metrics], [r["entropy_mean"] for r in metrics],
-                          [d["rollout_step"] for d in found],
-                          [d["concentration"]["positive"][top] for d in found],
-                          [d["concentration"]["negative"][top] for d in found])
+        runs[run.name] = (
+            [r["step"] for r in metrics],
+            [r["entropy_mean"] for r in metrics],
+            [d["rollout_step"] for d in found],
+            [d["concentration"]["positive"][top] for d in found],
+            [d["concentration"]["negative"][top] for d in found],
+        )
     plots.plot_diagnostics(Path(pcfg.output), runs)
     return Path(pcfg.output)
 
@@ -266,4 +355,6 @@ if __name__ == "__main__":
     if sys.argv[1:2] and sys.argv[1] in COMMANDS:
         print(f"done: {COMMANDS[sys.argv[1]](sys.argv[2:])}")
     else:
-        raise SystemExit(f"usage: python diagnose.py {{{','.join(COMMANDS)}}} ... (each with --help)")
+        raise SystemExit(
+            f"usage: python diagnose.py {{{','.join(COMMANDS)}}} ... (each with --help)"
+        )

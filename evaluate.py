@@ -29,11 +29,11 @@ import plots
 
 
 class Benchmark(NamedTuple):
-    source: str        # hub id or local file
+    source: str  # hub id or local file
     split: str
     question_column: str
     gold_column: str
-    gold_format: str   # how math-verify parses the gold: "expr" or "latex"
+    gold_format: str  # how math-verify parses the gold: "expr" or "latex"
 
 
 # docs/math.md, "Evaluation": hub id, split, question field, gold field, gold parsing
@@ -44,14 +44,21 @@ BENCHMARKS = {
     "minerva": Benchmark("knoveleng/Minerva-Math", "train", "problem", "solution", "latex"),
     "olympiadbench": Benchmark("knoveleng/OlympiadBench", "train", "question", "answer", "latex"),
 }
-TABLE_NAMES = {"aime24": "AIME24", "math500": "MATH-500", "amc23": "AMC23", "minerva": "Minerva",
-               "olympiadbench": "OlympiadBench"}
+TABLE_NAMES = {
+    "aime24": "AIME24",
+    "math500": "MATH-500",
+    "amc23": "AMC23",
+    "minerva": "Minerva",
+    "olympiadbench": "OlympiadBench",
+}
 
 # docs/math.md, "Evaluation": user prompt, no system prompt
-EVAL_PROMPT = ("Solve the following math problem efficiently and clearly.  The last line of your response should be "
-               "of the following format: 'Therefore, the final answer is: $\\boxed{{ANSWER}}$. I hope it is correct' "
-               "(without quotes) where ANSWER is just the final number or expression that solves the problem. Think "
-               "step by step before answering.\n\n{question}")
+EVAL_PROMPT = (
+    "Solve the following math problem efficiently and clearly.  The last line of your response should be "
+    "of the following format: 'Therefore, the final answer is: $\\boxed{{ANSWER}}$. I hope it is correct' "
+    "(without quotes) where ANSWER is just the final number or expression that solves the problem. Think "
+    "step by step before answering.\n\n{question}"
+)
 
 # the CW-GRPO paper's tables (pass@1, single sample)
 PUBLISHED = [
@@ -68,35 +75,73 @@ PUBLISHED = [
 @dataclass
 class EvalConfig:
     model: str = field(default="", metadata={"help": "model to evaluate: hub id or local folder"})
-    checkpoints: str = field(default="", metadata={
-        "help": "a glob of checkpoint folders (e.g. 'runs/x/checkpoint-*') for the checkpoint-stability table"})
-    benchmarks: str = field(default="aime24,math500,amc23,minerva,olympiadbench", metadata={
-        "help": "comma-separated: names (aime24, math500, amc23, minerva, olympiadbench) or local "
-                ".json/.jsonl/.parquet files"})
-    question_column: str = field(default="problem", metadata={"help": "question column of local files"})
+    checkpoints: str = field(
+        default="",
+        metadata={
+            "help": "a glob of checkpoint folders (e.g. 'runs/x/checkpoint-*') for the checkpoint-stability table"
+        },
+    )
+    benchmarks: str = field(
+        default="aime24,math500,amc23,minerva,olympiadbench",
+        metadata={
+            "help": "comma-separated: names (aime24, math500, amc23, minerva, olympiadbench) or local "
+            ".json/.jsonl/.parquet files"
+        },
+    )
+    question_column: str = field(
+        default="problem", metadata={"help": "question column of local files"}
+    )
     gold_column: str = field(default="answer", metadata={"help": "gold column of local files"})
-    gold_format: Literal["expr", "latex", "default"] = field(default="latex", metadata={
-        "help": "how the gold of local files is parsed: expr (plain numbers), latex, or default (both)"})
-    prompt_template: str = field(default=EVAL_PROMPT, metadata={
-        "help": "user message, with {question} where the problem goes (default: the paper's evaluation prompt; "
-                "'{question}' for the tiny preset's models)"})
-    protocol: Literal["robust", "paper"] = field(default="robust", metadata={
-        "help": "paper: 1 sample per problem with a fixed seed, as in the paper; robust: --n samples, avg@n"})
+    gold_format: Literal["expr", "latex", "default"] = field(
+        default="latex",
+        metadata={
+            "help": "how the gold of local files is parsed: expr (plain numbers), latex, or default (both)"
+        },
+    )
+    prompt_template: str = field(
+        default=EVAL_PROMPT,
+        metadata={
+            "help": "user message, with {question} where the problem goes (default: the paper's evaluation prompt; "
+            "'{question}' for the tiny preset's models)"
+        },
+    )
+    protocol: Literal["robust", "paper"] = field(
+        default="robust",
+        metadata={
+            "help": "paper: 1 sample per problem with a fixed seed, as in the paper; robust: --n samples, avg@n"
+        },
+    )
     n: int = field(default=8, metadata={"help": "samples per problem under the robust protocol"})
-    temperature: float = field(default=0.6, metadata={"help": "sampling temperature (the paper: 0.6)"})
+    temperature: float = field(
+        default=0.6, metadata={"help": "sampling temperature (the paper: 0.6)"}
+    )
     top_p: float = field(default=0.95, metadata={"help": "nucleus sampling (the paper: 0.95)"})
     max_new_tokens: int = field(default=4096, metadata={"help": "generation limit in tokens"})
-    batch_size: int = field(default=16, metadata={"help": "problems per generate call (each with n samples)"})
-    limit: int = field(default=0, metadata={"help": "evaluate only the first N problems of each benchmark"})
+    batch_size: int = field(
+        default=16, metadata={"help": "problems per generate call (each with n samples)"}
+    )
+    limit: int = field(
+        default=0, metadata={"help": "evaluate only the first N problems of each benchmark"}
+    )
     seed: int = field(default=2025, metadata={"help": "sampling seed"})
-    reward_timeout_s: float = field(default=10.0, metadata={"help": "hard limit on grading one completion"})
-    reward_workers: int = field(default=0, metadata={
-        "help": "processes grading in parallel; 0 is one per CPU core, at most 8"})
+    reward_timeout_s: float = field(
+        default=10.0, metadata={"help": "hard limit on grading one completion"}
+    )
+    reward_workers: int = field(
+        default=0,
+        metadata={"help": "processes grading in parallel; 0 is one per CPU core, at most 8"},
+    )
     device: str = field(default="auto", metadata={"help": "auto (cuda if present), cuda or cpu"})
-    overwrite: bool = field(default=False, metadata={
-        "help": "recompute benchmarks whose saved samples were made with other settings"})
-    output_dir: str = field(default="", metadata={
-        "help": "results.json, results.md and per-benchmark progress (default eval/<model folder name>)"})
+    overwrite: bool = field(
+        default=False,
+        metadata={"help": "recompute benchmarks whose saved samples were made with other settings"},
+    )
+    output_dir: str = field(
+        default="",
+        metadata={
+            "help": "results.json, results.md and per-benchmark progress (default eval/<model folder name>)"
+        },
+    )
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -113,53 +158,96 @@ def load_benchmark(name: str, cfg: EvalConfig) -> tuple[str, Benchmark, list[tup
         bench = Benchmark(name, "train", cfg.question_column, cfg.gold_column, cfg.gold_format)
         name = Path(name).stem
     else:
-        raise SystemExit(f"error: unknown benchmark '{name}'; known: {', '.join(BENCHMARKS)}, or a local "
-                         f".json/.jsonl/.parquet file")
+        raise SystemExit(
+            f"error: unknown benchmark '{name}'; known: {', '.join(BENCHMARKS)}, or a local "
+            f".json/.jsonl/.parquet file"
+        )
     rows = cwgrpo.load_dataset(bench.source, bench.split, bench.question_column, bench.gold_column)
-    problems = [(str(q), str(g)) for q, g in zip(rows[bench.question_column], rows[bench.gold_column])]
+    problems = [
+        (str(q), str(g)) for q, g in zip(rows[bench.question_column], rows[bench.gold_column])
+    ]
     return name, bench, problems[: cfg.limit or None]
 
 
 def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path) -> dict:
     """Samples and grades every benchmark; finished problems are kept in <benchmark>.jsonl, so a rerun after a
     crash only generates what is missing."""
-    device = torch.device(cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(
+        cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    )
     output_dir.mkdir(parents=True, exist_ok=True)
     n = 1 if cfg.protocol == "paper" else cfg.n
-    benchmarks = [load_benchmark(name.strip(), cfg) for name in cfg.benchmarks.split(",") if name.strip()]
+    benchmarks = [
+        load_benchmark(name.strip(), cfg) for name in cfg.benchmarks.split(",") if name.strip()
+    ]
     tokenizer = cwgrpo.load_tokenizer(model_path)
-    model = cwgrpo.load_model(model_path, torch.bfloat16 if device.type == "cuda" else torch.float32, device).eval()
+    model = cwgrpo.load_model(
+        model_path, torch.bfloat16 if device.type == "cuda" else torch.float32, device
+    ).eval()
     grader = cwgrpo.Grader(cfg.reward_timeout_s, cwgrpo.reward_worker_count(cfg))
     results = {}
     for name, bench, problems in benchmarks:
         progress_path = output_dir / f"{name}.jsonl"
-        settings = {"model": str(Path(model_path).resolve()) if Path(model_path).exists()
-                    else model_path, "weights": weights_fingerprint(model_path),
-                    "benchmark": bench._asdict(), "prompt_template": cfg.prompt_template,
-                    "protocol": cfg.protocol, "n": n, "temperature": cfg.temperature,
-                    "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed,
-                    "limit": cfg.limit}
+        settings = {
+            "model": str(Path(model_path).resolve()) if Path(model_path).exists() else model_path,
+            "weights": weights_fingerprint(model_path),
+            "benchmark": bench._asdict(),
+            "prompt_template": cfg.prompt_template,
+            "protocol": cfg.protocol,
+            "n": n,
+            "temperature": cfg.temperature,
+            "top_p": cfg.top_p,
+            "max_new_tokens": cfg.max_new_tokens,
+            "seed": cfg.seed,
+            "limit": cfg.limit,
+        }
         done = finished_problems(progress_path, settings, cfg.overwrite)
-        prompts = [cwgrpo.chat_prompt_ids(tokenizer, cfg.prompt_template.replace("{question}", q), "")
-                   for q, _ in problems]
-        todo = sorted((i for i in range(len(problems)) if i not in done), key=lambda i: len(prompts[i]))
-        with progress_path.open("a") as log, tqdm(total=len(problems), initial=len(done), desc=name) as bar:
+        prompts = [
+            cwgrpo.chat_prompt_ids(tokenizer, cfg.prompt_template.replace("{question}", q), "")
+            for q, _ in problems
+        ]
+        todo = sorted(
+            (i for i in range(len(problems)) if i not in done), key=lambda i: len(prompts[i])
+        )
+        with (
+            progress_path.open("a") as log,
+            tqdm(total=len(problems), initial=len(done), desc=name) as bar,
+        ):
             for start in range(0, len(todo), cfg.batch_size):
-                batch = todo[start:start + cfg.batch_size]  # similar lengths: little padding
-                torch.manual_seed(cfg.seed + batch[0])  # a problem's samples do not depend on what ran before
+                batch = todo[start : start + cfg.batch_size]  # similar lengths: little padding
+                torch.manual_seed(
+                    cfg.seed + batch[0]
+                )  # a problem's samples do not depend on what ran before
                 texts = cwgrpo.generate_completions(
-                    model, tokenizer, [prompts[i] for i in batch], n, cfg.temperature, cfg.top_p,
-                    0, cfg.max_new_tokens, None)[-1]
-                all_grades = grader.map([(text, problems[batch[k // n]][1], bench.gold_format)
-                                                for k, text in enumerate(texts)])  # n samples per problem
+                    model,
+                    tokenizer,
+                    [prompts[i] for i in batch],
+                    n,
+                    cfg.temperature,
+                    cfg.top_p,
+                    0,
+                    cfg.max_new_tokens,
+                    None,
+                )[-1]
+                all_grades = grader.map(
+                    [
+                        (text, problems[batch[k // n]][1], bench.gold_format)
+                        for k, text in enumerate(texts)
+                    ]
+                )  # n samples per problem
                 for j, i in enumerate(batch):
                     question, gold = problems[i]
-                    completions = texts[j * n:(j + 1) * n]
-                    grades = all_grades[j * n:(j + 1) * n]
-                    done[i] = {"index": i, "prompt": question, "gold": gold, "completions": completions,
-                               "answers": [last_boxed(c) for c in completions],
-                               "correct": [g.accuracy == 1.0 for g in grades],
-                               "gold_parsed": all(g.gold_parsed for g in grades)}
+                    completions = texts[j * n : (j + 1) * n]
+                    grades = all_grades[j * n : (j + 1) * n]
+                    done[i] = {
+                        "index": i,
+                        "prompt": question,
+                        "gold": gold,
+                        "completions": completions,
+                        "answers": [last_boxed(c) for c in completions],
+                        "correct": [g.accuracy == 1.0 for g in grades],
+                        "gold_parsed": all(g.gold_parsed for g in grades),
+                    }
                     log.write(json.dumps(done[i]) + "\n")
                 log.flush()
                 bar.update(len(batch))
@@ -175,9 +263,11 @@ def finished_problems(progress_path: Path, settings: dict, overwrite: bool) -> d
         made_with = json.loads(lines[0]).get("settings") if lines else None
         if made_with != settings:
             differ = [k for k in settings if (made_with or {}).get(k) != settings[k]]
-            raise SystemExit(f"error: {progress_path} holds samples made with other settings "
-                             f"({', '.join(differ) or 'none recorded'} differ); pass --overwrite "
-                             f"to recompute them, or choose another --output-dir")
+            raise SystemExit(
+                f"error: {progress_path} holds samples made with other settings "
+                f"({', '.join(differ) or 'none recorded'} differ); pass --overwrite "
+                f"to recompute them, or choose another --output-dir"
+            )
         return {r["index"]: r for r in map(json.loads, lines[1:])}
     progress_path.write_text(json.dumps({"settings": settings}) + "\n")
     return {}
@@ -219,11 +309,16 @@ def summarise(problems: list[dict], n: int) -> dict:
     per_sample = correct.mean(0) * 100
     counts = correct.sum(1).long().tolist()
     ks = [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= n]
-    return {"pass@1": per_sample.mean().item(),
-            "pass@1_std_over_samples": per_sample.std().item() if n > 1 else 0.0,
-            "pass@k": {k: 100 * sum(pass_at_k(n, c, k) for c in counts) / len(counts) for k in ks},
-            "problems": len(problems), "samples_per_problem": n, "correct_samples": int(correct.sum()),
-            "gold_unparsed": sum(not p["gold_parsed"] for p in problems), "per_problem": problems}
+    return {
+        "pass@1": per_sample.mean().item(),
+        "pass@1_std_over_samples": per_sample.std().item() if n > 1 else 0.0,
+        "pass@k": {k: 100 * sum(pass_at_k(n, c, k) for c in counts) / len(counts) for k in ks},
+        "problems": len(problems),
+        "samples_per_problem": n,
+        "correct_samples": int(correct.sum()),
+        "gold_unparsed": sum(not p["gold_parsed"] for p in problems),
+        "per_problem": problems,
+    }
 
 
 def markdown_table(results: dict, label: str) -> str:
@@ -232,29 +327,56 @@ def markdown_table(results: dict, label: str) -> str:
     header = [TABLE_NAMES.get(name, name) for name in names] + ["avg"]
     lines = ["| model / method | " + " | ".join(header) + " |", "|---|" + "---|" * len(header)]
     if known and names == list(TABLE_NAMES):  # the published rows share the benchmark order
-        lines += [f"| {row} (published) | " + " | ".join(f"{v:.1f}" for v in values) + " |"
-                  for row, values in PUBLISHED]
+        lines += [
+            f"| {row} (published) | " + " | ".join(f"{v:.1f}" for v in values) + " |"
+            for row, values in PUBLISHED
+        ]
     scores = [results[name]["pass@1"] for name in names]
-    cells = [f"{s:.1f} ± {results[name]['pass@1_std_over_samples']:.1f}" if results[name]["samples_per_problem"] > 1
-             else f"{s:.1f}" for s, name in zip(scores, names)]
-    lines.append(f"| {label} (measured) | " + " | ".join(cells) + f" | {sum(scores) / len(scores):.1f} |")
+    cells = [
+        f"{s:.1f} ± {results[name]['pass@1_std_over_samples']:.1f}"
+        if results[name]["samples_per_problem"] > 1
+        else f"{s:.1f}"
+        for s, name in zip(scores, names)
+    ]
+    lines.append(
+        f"| {label} (measured) | " + " | ".join(cells) + f" | {sum(scores) / len(scores):.1f} |"
+    )
     return "\n".join(lines)
 
 
 def write_results(output_dir: Path, model_path: str, cfg: EvalConfig, results: dict) -> None:
     n = 1 if cfg.protocol == "paper" else cfg.n
     average = sum(r["pass@1"] for r in results.values()) / len(results)
-    (output_dir / "results.json").write_text(json.dumps(
-        {"model": model_path, "config": asdict(cfg), "average_pass@1": average, "benchmarks": results}, indent=1))
-    note = (f"pass@1 in %, {n} sample{'s' if n > 1 else ''} per problem at temperature {cfg.temperature}, "
-            f"top-p {cfg.top_p}, up to {cfg.max_new_tokens} new tokens"
-            + (", ± the std over sample indices" if n > 1 else " (the paper's protocol: one AIME problem is 3.3 "
-               "points)") + ".")
-    pass_k = "\n".join(f"- {name}: " + ", ".join(f"pass@{k} {v:.1f}" for k, v in r["pass@k"].items())
-                       + f" ({r['correct_samples']} of {r['problems'] * r['samples_per_problem']} samples correct)"
-                       for name, r in results.items())
-    (output_dir / "results.md").write_text(f"# {model_path}\n\n{note}\n\n{markdown_table(results, model_path)}\n\n"
-                                           f"{pass_k}\n")
+    (output_dir / "results.json").write_text(
+        json.dumps(
+            {
+                "model": model_path,
+                "config": asdict(cfg),
+                "average_pass@1": average,
+                "benchmarks": results,
+            },
+            indent=1,
+        )
+    )
+    note = (
+        f"pass@1 in %, {n} sample{'s' if n > 1 else ''} per problem at temperature {cfg.temperature}, "
+        f"top-p {cfg.top_p}, up to {cfg.max_new_tokens} new tokens"
+        + (
+            ", ± the std over sample indices"
+            if n > 1
+            else " (the paper's protocol: one AIME problem is 3.3 points)"
+        )
+        + "."
+    )
+    pass_k = "\n".join(
+        f"- {name}: "
+        + ", ".join(f"pass@{k} {v:.1f}" for k, v in r["pass@k"].items())
+        + f" ({r['correct_samples']} of {r['problems'] * r['samples_per_problem']} samples correct)"
+        for name, r in results.items()
+    )
+    (output_dir / "results.md").write_text(
+        f"# {model_path}\n\n{note}\n\n{markdown_table(results, model_path)}\n\n{pass_k}\n"
+    )
 
 
 def checkpoint_step(path: str) -> int:
@@ -273,22 +395,33 @@ def evaluate_checkpoints(cfg: EvalConfig, output_dir: Path) -> None:
         table[checkpoint_step(path)] = evaluate_model(path, cfg, step_dir)
         write_results(step_dir, path, cfg, table[checkpoint_step(path)])
     names = list(next(iter(table.values())))
-    lines = ["| benchmark | " + " | ".join(f"step {s}" for s in table) + " |", "|---|" + "---|" * len(table)]
+    lines = [
+        "| benchmark | " + " | ".join(f"step {s}" for s in table) + " |",
+        "|---|" + "---|" * len(table),
+    ]
     for name in names:
-        lines.append(f"| {TABLE_NAMES.get(name, name)} | " + " | ".join(f"{table[s][name]['pass@1']:.1f}"
-                                                                         for s in table) + " |")
-    (output_dir / "checkpoints.md").write_text("pass@1 in % per checkpoint\n\n" + "\n".join(lines) + "\n")
+        lines.append(
+            f"| {TABLE_NAMES.get(name, name)} | "
+            + " | ".join(f"{table[s][name]['pass@1']:.1f}" for s in table)
+            + " |"
+        )
+    (output_dir / "checkpoints.md").write_text(
+        "pass@1 in % per checkpoint\n\n" + "\n".join(lines) + "\n"
+    )
     plots.plot_checkpoints(output_dir / "checkpoints.png", table, TABLE_NAMES)
 
 
 def default_output_dir(source: str) -> Path:
     """eval/<the whole path or hub id>: not its last name, which every run's final-model shares."""
-    return Path("eval") / (re.sub(r"[^\w.-]+", "-", source.rstrip("/*").lstrip("./")).strip("-")
-                           or "model")
+    return Path("eval") / (
+        re.sub(r"[^\w.-]+", "-", source.rstrip("/*").lstrip("./")).strip("-") or "model"
+    )
 
 
 def main(argv=None) -> None:
-    (cfg,) = HfArgumentParser(EvalConfig, description=__doc__.split("\n\n")[0]).parse_args_into_dataclasses(argv)
+    (cfg,) = HfArgumentParser(
+        EvalConfig, description=__doc__.split("\n\n")[0]
+    ).parse_args_into_dataclasses(argv)
     if bool(cfg.model) == bool(cfg.checkpoints):
         raise SystemExit("error: pass exactly one of --model PATH_OR_HUB_ID and --checkpoints GLOB")
     if cfg.device == "cuda" and not torch.cuda.is_available():

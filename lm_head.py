@@ -41,8 +41,9 @@ class ChunkedLogProbs(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, targets = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, device=weight.device) \
-            if ctx.needs_input_grad[1] else None
+        grad_weight = (
+            torch.zeros(weight.shape, device=weight.device) if ctx.needs_input_grad[1] else None
+        )
         for start in range(0, hidden.shape[0], ctx.width):
             chunk = slice(start, start + ctx.width)
             grad_logits = scaled_logits(hidden[chunk], weight, ctx.temperature).softmax(-1)
@@ -57,8 +58,13 @@ class ChunkedLogProbs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None
 
 
-def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                     temperature: float, chunk_elements: int):
+def chunked_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    chunk_elements: int,
+):
     """(positions,) log-probs of `targets` and entropies, never more than chunk_elements logits
     at once."""
     width = max(1, chunk_elements // weight.shape[0])
@@ -66,8 +72,14 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
 
 
 @torch.no_grad()
-def ict_divergence(hidden: torch.Tensor, head_weight: torch.Tensor, mask: torch.Tensor,
-                   temperature: float, chunk_elements: int, group_size: int) -> torch.Tensor:
+def ict_divergence(
+    hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    mask: torch.Tensor,
+    temperature: float,
+    chunk_elements: int,
+    group_size: int,
+) -> torch.Tensor:
     """ICT's u[i,t] = JS(p[i,t] || pbar[t]) in nats, pbar the mean next-token distribution of the
     responses of i's group still running at t; groups are consecutive rows of group_size. Streams
     over positions: never more than G x chunk x vocab probabilities at once."""
@@ -80,16 +92,22 @@ def ict_divergence(hidden: torch.Tensor, head_weight: torch.Tensor, mask: torch.
             running = mask[rows, columns, None]
             p_bar = (p * running).sum(0) / running.sum(0).clamp(min=1)
             middle = (p + p_bar) / 2
-            js = (0.5 * (torch.xlogy(p, p) - torch.xlogy(p, middle)).sum(-1)
-                  + 0.5 * (torch.xlogy(p_bar, p_bar) - torch.xlogy(p_bar, middle)).sum(-1))
+            js = 0.5 * (torch.xlogy(p, p) - torch.xlogy(p, middle)).sum(-1) + 0.5 * (
+                torch.xlogy(p_bar, p_bar) - torch.xlogy(p_bar, middle)
+            ).sum(-1)
             divergence[rows, columns] = js * mask[rows, columns]
     return divergence
 
 
 @torch.no_grad()
-def squared_probability_mass(hidden: torch.Tensor, weight: torch.Tensor, temperature: float,
-                             chunk_elements: int) -> torch.Tensor:
+def squared_probability_mass(
+    hidden: torch.Tensor, weight: torch.Tensor, temperature: float, chunk_elements: int
+) -> torch.Tensor:
     """sum_v p_v^2 at each position, streamed like the log-probs."""
     width = max(1, chunk_elements // weight.shape[0])
-    return torch.cat([scaled_logits(hidden[s:s + width], weight, temperature).softmax(-1)
-                      .pow(2).sum(-1) for s in range(0, hidden.shape[0], width)])
+    return torch.cat(
+        [
+            scaled_logits(hidden[s : s + width], weight, temperature).softmax(-1).pow(2).sum(-1)
+            for s in range(0, hidden.shape[0], width)
+        ]
+    )

@@ -10,7 +10,6 @@ import datasets
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-
 LOCAL_DATA_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -20,22 +19,35 @@ def load_dataset(name: str, split: str, question_column: str, gold_column: str):
     if local:
         check_local_data(path)
     try:
-        dataset = datasets.load_dataset(LOCAL_DATA_FORMATS[path.suffix], data_files=str(path),
-                                        split="train") if local else \
-            datasets.load_dataset(name, split=split)
+        dataset = (
+            datasets.load_dataset(
+                LOCAL_DATA_FORMATS[path.suffix], data_files=str(path), split="train"
+            )
+            if local
+            else datasets.load_dataset(name, split=split)
+        )
     except (ConnectionError, OSError, ValueError, datasets.exceptions.DatasetNotFoundError) as e:
-        hint = "fix the file" if local else ("check the name, or download it while online (it "
-                                             "is then read from the cache), or pass a local "
-                                             ".json/.jsonl/.parquet/.csv file")
-        raise SystemExit(f"error: cannot load dataset '{name}' (split '{split}'): "
-                         f"{first_line(e)}; {hint}") from None
+        hint = (
+            "fix the file"
+            if local
+            else (
+                "check the name, or download it while online (it "
+                "is then read from the cache), or pass a local "
+                ".json/.jsonl/.parquet/.csv file"
+            )
+        )
+        raise SystemExit(
+            f"error: cannot load dataset '{name}' (split '{split}'): {first_line(e)}; {hint}"
+        ) from None
     if len(dataset) == 0:
         raise SystemExit(f"error: dataset '{name}' has no rows; give a file with some")
     missing = [c for c in (question_column, gold_column) if c not in dataset.column_names]
     if missing:
-        raise SystemExit(f"error: dataset '{name}' has no column {', '.join(map(repr, missing))}; "
-                         f"columns found: {', '.join(dataset.column_names)}. "
-                         f"Set --question-column and --gold-column")
+        raise SystemExit(
+            f"error: dataset '{name}' has no column {', '.join(map(repr, missing))}; "
+            f"columns found: {', '.join(dataset.column_names)}. "
+            f"Set --question-column and --gold-column"
+        )
     return dataset
 
 
@@ -51,8 +63,10 @@ def check_local_data(path: Path) -> None:
                 try:
                     line.strip() and json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise SystemExit(f"error: {path} line {number} is not valid JSON ({e.msg}); "
-                                     f"fix or remove that line") from None
+                    raise SystemExit(
+                        f"error: {path} line {number} is not valid JSON ({e.msg}); "
+                        f"fix or remove that line"
+                    ) from None
 
 
 def first_line(error: BaseException) -> str:
@@ -63,9 +77,11 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device):
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except OSError as e:
-        raise SystemExit(f"error: cannot load model '{path}': {first_line(e)} Download it while "
-                         f"online (huggingface-cli download {path}) or pass a local folder with "
-                         f"--model") from None
+        raise SystemExit(
+            f"error: cannot load model '{path}': {first_line(e)} Download it while "
+            f"online (huggingface-cli download {path}) or pass a local folder with "
+            f"--model"
+        ) from None
     return model.to(device)
 
 

@@ -17,15 +17,36 @@ def pyplot():
         raise SystemExit("error: plots need matplotlib: pip install -r requirements.txt") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
 def moving_average(values: list, window: int = 10) -> list:
-    return [statistics.fmean(values[max(0, i + 1 - window):i + 1]) for i in range(len(values))]
+    return [statistics.fmean(values[max(0, i + 1 - window) : i + 1]) for i in range(len(values))]
 
 
-T_975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
-         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086]  # Student t, df = 1 .. 20
+T_975 = [
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+]  # Student t, df = 1 .. 20
 
 
 def interval(values: list[float]) -> tuple[float, float]:
@@ -50,10 +71,14 @@ def plot_ablation(path: Path, curves: dict, title: str) -> None:
             smoothed = [moving_average(run[:length]) for run in runs]
             mean, half = zip(*(interval(list(values)) for values in zip(*smoothed)))
             steps = range(1, length + 1)
-            line, = axis.plot(steps, mean, label=method, linewidth=1.2)
-            axis.fill_between(steps, [m - h for m, h in zip(mean, half)],
-                              [m + h for m, h in zip(mean, half)], color=line.get_color(),
-                              alpha=0.12)
+            (line,) = axis.plot(steps, mean, label=method, linewidth=1.2)
+            axis.fill_between(
+                steps,
+                [m - h for m, h in zip(mean, half)],
+                [m + h for m, h in zip(mean, half)],
+                color=line.get_color(),
+                alpha=0.12,
+            )
     for axis, key in zip(axes, panels):
         axis.set(xlabel="rollout step", ylabel=f"{key} (10-step mean)")
         axis.grid(alpha=0.3)
@@ -71,9 +96,15 @@ def plot_diagnostics(path: Path, runs: dict) -> None:
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, (steps, entropy, diag_steps, positive, negative) in runs.items():
         left.plot(steps, entropy, label=name)
-        line, = right.plot(diag_steps, positive, marker="o", label=f"{name} +")
-        right.plot(diag_steps, negative, marker="v", linestyle="--", color=line.get_color(),
-                   label=f"{name} -")
+        (line,) = right.plot(diag_steps, positive, marker="o", label=f"{name} +")
+        right.plot(
+            diag_steps,
+            negative,
+            marker="v",
+            linestyle="--",
+            color=line.get_color(),
+            label=f"{name} -",
+        )
     left.set(xlabel="step", ylabel="entropy_mean")
     right.set(xlabel="rollout step", ylabel="mean covariance score of the top 0.01%")
     for axis in (left, right):
@@ -89,8 +120,12 @@ def plot_checkpoints(path: Path, table: dict, names: dict) -> None:
     plt = pyplot()
     figure, axis = plt.subplots(figsize=(7, 4.5))
     for name in next(iter(table.values())):
-        axis.plot(list(table), [table[s][name]["pass@1"] for s in table], marker="o",
-                  label=names.get(name, name))
+        axis.plot(
+            list(table),
+            [table[s][name]["pass@1"] for s in table],
+            marker="o",
+            label=names.get(name, name),
+        )
     axis.set(xlabel="training step", ylabel="pass@1 (%)")
     axis.grid(alpha=0.3)
     axis.legend()
@@ -106,8 +141,10 @@ def read_records(metrics_path: Path) -> list[dict]:
 def first_to_last(records: list[dict], key: str) -> tuple[float, float]:
     """The mean of `key` over the first and over the last 10% of the records (at least one)."""
     tail = max(1, len(records) // 10)
-    return (statistics.fmean(r[key] for r in records[:tail]),
-            statistics.fmean(r[key] for r in records[-tail:]))
+    return (
+        statistics.fmean(r[key] for r in records[:tail]),
+        statistics.fmean(r[key] for r in records[-tail:]),
+    )
 
 
 SUMMARY_KEYS = ("reward_mean", "accuracy_mean", "format_mean", "entropy_mean", "kl_mean")
@@ -122,10 +159,15 @@ def run_summary(output_dir: Path, wall_s: float, evaluate_command: str) -> str:
         first, last = first_to_last(records, key)
         out.append(f"  {key.removesuffix('_mean'):9s} {first:8.3f} -> {last:.3f}")
     checkpoints = sorted(output_dir.glob("checkpoint-*"), key=lambda p: int(p.name[11:]))
-    return "\n".join(out + [f"checkpoints: {', '.join(map(str, checkpoints))}",
-                            f"final model: {output_dir / 'final-model'}",
-                            f"pictures:    {output_dir / 'curves.png'} and "
-                            f"{output_dir / 'tokens.html'}", f"evaluate it: {evaluate_command}"])
+    return "\n".join(
+        out
+        + [
+            f"checkpoints: {', '.join(map(str, checkpoints))}",
+            f"final model: {output_dir / 'final-model'}",
+            f"pictures:    {output_dir / 'curves.png'} and {output_dir / 'tokens.html'}",
+            f"evaluate it: {evaluate_command}",
+        ]
+    )
 
 
 def plot_run(metrics_path: Path, path: Path, title: str) -> None:
@@ -134,17 +176,23 @@ def plot_run(metrics_path: Path, path: Path, title: str) -> None:
     steps = [r["step"] for r in records]
     plt = pyplot()
     figure, axes = plt.subplots(2, 2, figsize=(10, 6), sharex=True)
-    panels = [(axes[0, 0], "reward and accuracy", ("reward_mean", "accuracy_mean", "format_mean")),
-              (axes[0, 1], "entropy (nats)", ("entropy_mean",)),
-              (axes[1, 0], "KL to the reference (k3)", ("kl_mean",)),
-              (axes[1, 1], "share of tokens", ("w_frac_below_half", "w_frac_above_2",
-                                               "touched_frac"))]
+    panels = [
+        (axes[0, 0], "reward and accuracy", ("reward_mean", "accuracy_mean", "format_mean")),
+        (axes[0, 1], "entropy (nats)", ("entropy_mean",)),
+        (axes[1, 0], "KL to the reference (k3)", ("kl_mean",)),
+        (axes[1, 1], "share of tokens", ("w_frac_below_half", "w_frac_above_2", "touched_frac")),
+    ]
     for axis, label, keys in panels:
         for key in keys:
             values = [r[key] for r in records]
-            line, = axis.plot(steps, values, linewidth=0.6, alpha=0.35)
-            axis.plot(steps, moving_average(values), color=line.get_color(), linewidth=1.5,
-                      label=key.removesuffix("_mean"))
+            (line,) = axis.plot(steps, values, linewidth=0.6, alpha=0.35)
+            axis.plot(
+                steps,
+                moving_average(values),
+                color=line.get_color(),
+                linewidth=1.5,
+                label=key.removesuffix("_mean"),
+            )
         axis.set(ylabel=label)
         axis.grid(alpha=0.3)
         axis.legend(fontsize=7, loc="best")
@@ -192,21 +240,29 @@ show(data.method);
 """
 
 
-def token_view(label: str, tokenizer, completion_ids, mask, logp, cov, adv, weights: dict,
-               touched: dict) -> dict:
+def token_view(
+    label: str, tokenizer, completion_ids, mask, logp, cov, adv, weights: dict, touched: dict
+) -> dict:
     """One step's view for token_page, from a group's (G, T) tensors: the shown completions'
     tokens (as many as completion_ids has), each token's probability, covariance score and every
     method's weight and touched flag, and each completion's advantage; rounded to 4 digits."""
-    lengths = mask.sum(1).long().tolist()[:len(completion_ids)]
+    lengths = mask.sum(1).long().tolist()[: len(completion_ids)]
 
     def rows(values) -> list[list[float]]:
         return [[float(f"{v:.4g}") for v in row[:n].tolist()] for row, n in zip(values, lengths)]
-    return {"label": label, "tokens": [[tokenizer.decode([t]) for t in ids[:n].tolist()]
-                                       for ids, n in zip(completion_ids, lengths)],
-            "prob": rows(logp.exp()), "cov": rows(cov),
-            "adv": [round(a, 4) for a in adv[:len(lengths)].tolist()],
-            "weights": {k: rows(w) for k, w in weights.items()},
-            "touched": {k: rows(t.int()) for k, t in touched.items()}}
+
+    return {
+        "label": label,
+        "tokens": [
+            [tokenizer.decode([t]) for t in ids[:n].tolist()]
+            for ids, n in zip(completion_ids, lengths)
+        ],
+        "prob": rows(logp.exp()),
+        "cov": rows(cov),
+        "adv": [round(a, 4) for a in adv[: len(lengths)].tolist()],
+        "weights": {k: rows(w) for k, w in weights.items()},
+        "touched": {k: rows(t.int()) for k, t in touched.items()},
+    }
 
 
 def token_page(path: Path, title: str, method: str, methods: dict, views: list[dict]) -> None:
@@ -219,25 +275,40 @@ def token_page(path: Path, title: str, method: str, methods: dict, views: list[d
     for v, view in enumerate(views):
         body.append(f'<h2>{html.escape(view["label"])}</h2><div data-view="{v}">')
         for i, tokens in enumerate(view["tokens"]):
-            spans = "".join(f'<span class="t" data-it="{i},{t}">{html.escape(token)}</span>'
-                            for t, token in enumerate(tokens))
-            body.append(f'<p class="meta">completion {i + 1}, advantage '
-                        f'{view["adv"][i]:+.3f}</p><div class="completion">{spans}</div>')
+            spans = "".join(
+                f'<span class="t" data-it="{i},{t}">{html.escape(token)}</span>'
+                for t, token in enumerate(tokens)
+            )
+            body.append(
+                f'<p class="meta">completion {i + 1}, advantage '
+                f'{view["adv"][i]:+.3f}</p><div class="completion">{spans}</div>'
+            )
         body.append("</div>")
-    options = "".join(f'<option value="{html.escape(name)}"{" selected" * (name == method)}>'
-                      f'{html.escape(name)}: {html.escape(about)}</option>'
-                      for name, about in methods.items())
-    data = json.dumps({"method": method, "views": [
-        {k: view[k] for k in ("prob", "cov", "adv", "weights", "touched")} for view in views]},
-        separators=(",", ":")).replace("</", "<\\/")
-    legend = ('<p class="legend"><span style="background:rgba(40,100,230,.6)">w &lt; 1: turned '
-              'down</span><span style="border:1px solid #ccc">w = 1</span><span style="background:'
-              'rgba(240,140,20,.6)">w &gt; 1: turned up</span><span style="background:#bbb">w = 0: '
-              'silenced</span><span class="touched">dotted underline: loss changed by the method</span>'
-              ' Hover a token for its probability, covariance score, advantage and weight.</p>')
+    options = "".join(
+        f'<option value="{html.escape(name)}"{" selected" * (name == method)}>'
+        f"{html.escape(name)}: {html.escape(about)}</option>"
+        for name, about in methods.items()
+    )
+    data = json.dumps(
+        {
+            "method": method,
+            "views": [
+                {k: view[k] for k in ("prob", "cov", "adv", "weights", "touched")} for view in views
+            ],
+        },
+        separators=(",", ":"),
+    ).replace("</", "<\\/")
+    legend = (
+        '<p class="legend"><span style="background:rgba(40,100,230,.6)">w &lt; 1: turned '
+        'down</span><span style="border:1px solid #ccc">w = 1</span><span style="background:'
+        'rgba(240,140,20,.6)">w &gt; 1: turned up</span><span style="background:#bbb">w = 0: '
+        'silenced</span><span class="touched">dotted underline: loss changed by the method</span>'
+        " Hover a token for its probability, covariance score, advantage and weight.</p>"
+    )
     Path(path).write_text(
         f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>'
-        f'{html.escape(title)}</title><style>{TOKEN_PAGE_STYLE}</style></head><body>'
+        f"{html.escape(title)}</title><style>{TOKEN_PAGE_STYLE}</style></head><body>"
         f'<h1>{html.escape(title)}</h1><p><label>Weights of <select id="method">{options}'
         f'</select></label></p>{legend}{"".join(body)}<script type="application/json" id="data">'
-        f'{data}</script><script>{TOKEN_PAGE_SCRIPT}</script></body></html>\n')
+        f"{data}</script><script>{TOKEN_PAGE_SCRIPT}</script></body></html>\n"
+    )

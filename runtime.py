@@ -56,8 +56,9 @@ class _Worker:
     def call(self, args: tuple, on_timeout: Any) -> Any:
         if self.process is None:
             self.conn, child_conn = self.context.Pipe()
-            self.process = self.context.Process(target=_serve, daemon=True,
-                                                args=(self.fn, child_conn, os.getpid()))
+            self.process = self.context.Process(
+                target=_serve, daemon=True, args=(self.fn, child_conn, os.getpid())
+            )
             self.process.start()
             child_conn.close()
         self.conn.send(args)
@@ -88,9 +89,11 @@ class TimeoutPool:
 
     def submit(self, calls: list[tuple]) -> Future:
         """A future of [fn(*args) for args in calls], in order; the calls are shared among workers."""
-        shares = [calls[i::len(self.workers)] for i in range(len(self.workers))]
-        parts = [self.threads.submit(lambda w=w, s=s: [w.call(a, self.on_timeout) for a in s])
-                 for w, s in zip(self.workers, shares)]
+        shares = [calls[i :: len(self.workers)] for i in range(len(self.workers))]
+        parts = [
+            self.threads.submit(lambda w=w, s=s: [w.call(a, self.on_timeout) for a in s])
+            for w, s in zip(self.workers, shares)
+        ]
         done, lock = Future(), threading.Lock()
 
         def gather(_):
@@ -104,8 +107,9 @@ class TimeoutPool:
                     return
                 ordered = [None] * len(calls)
                 for i, share in enumerate(results):
-                    ordered[i::len(self.workers)] = share
+                    ordered[i :: len(self.workers)] = share
                 done.set_result(ordered)
+
         for part in parts:
             part.add_done_callback(gather)
         return done
@@ -122,8 +126,14 @@ class TimeoutPool:
 class CachedTimeoutPool(TimeoutPool):
     """A TimeoutPool that remembers results, for pure functions: a cache hit is not recomputed."""
 
-    def __init__(self, fn: Callable, workers: int, timeout_s: float, on_timeout: Any = None,
-                 max_cache: int = 200_000):
+    def __init__(
+        self,
+        fn: Callable,
+        workers: int,
+        timeout_s: float,
+        on_timeout: Any = None,
+        max_cache: int = 200_000,
+    ):
         super().__init__(fn, workers, timeout_s, on_timeout)
         self.max_cache, self.cache = max_cache, {}
 
@@ -138,6 +148,7 @@ class CachedTimeoutPool(TimeoutPool):
         def results() -> list:
             self.cache.update(zip(todo, running.result()))
             return [self.cache[call] for call in calls]
+
         return results
 
     def map(self, calls: list[tuple]) -> list:
@@ -159,8 +170,11 @@ def save_checkpoint(output_dir: Path, name: str, model, tokenizer, trainer_state
 
 
 def latest_checkpoint(output_dir: Path) -> Path | None:
-    steps = [int(p.name.split("-")[1]) for p in output_dir.glob("checkpoint-*")
-             if p.name.split("-")[1].isdigit() and (p / "trainer_state.pt").is_file()]
+    steps = [
+        int(p.name.split("-")[1])
+        for p in output_dir.glob("checkpoint-*")
+        if p.name.split("-")[1].isdigit() and (p / "trainer_state.pt").is_file()
+    ]
     return output_dir / f"checkpoint-{max(steps)}" if steps else None
 
 
@@ -181,8 +195,11 @@ def set_rng_states(states: dict) -> None:
 def keep_records_until(path: Path, rollout_step: int) -> None:
     """On resume, drop the records of steps after the checkpoint: they are about to be redone."""
     if path.exists():
-        kept = [line for line in path.read_text().splitlines()
-                if line and json.loads(line)["rollout_step"] <= rollout_step]
+        kept = [
+            line
+            for line in path.read_text().splitlines()
+            if line and json.loads(line)["rollout_step"] <= rollout_step
+        ]
         path.write_text("".join(line + "\n" for line in kept))
 
 
@@ -204,8 +221,10 @@ class RunLock:
             self.file.seek(0)
             holder = self.file.read().strip() or "unknown"
             self.file.close()
-            raise SystemExit(f"error: {self.path.parent} is in use by a live run (pid {holder}); "
-                             f"wait for it or stop it, or choose another --output-dir") from None
+            raise SystemExit(
+                f"error: {self.path.parent} is in use by a live run (pid {holder}); "
+                f"wait for it or stop it, or choose another --output-dir"
+            ) from None
         self.file.truncate(0)
         self.file.write(str(os.getpid()))
         self.file.flush()
@@ -229,8 +248,11 @@ class StopRequest:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        print("\nCtrl-C: stopping after this step, with a checkpoint (Ctrl-C again: at once)",
-              file=sys.stderr, flush=True)
+        print(
+            "\nCtrl-C: stopping after this step, with a checkpoint (Ctrl-C again: at once)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def __exit__(self, *_) -> None:
         if self.previous is not None:
@@ -270,8 +292,10 @@ def resolve_device(requested: str, gpu_recipe: str = "") -> torch.device:
     """auto is cuda where there is a GPU; a GPU recipe without one stops with the fix."""
     if requested == "auto":
         if gpu_recipe and not torch.cuda.is_available():
-            raise SystemExit(f"error: --preset {gpu_recipe} is a GPU recipe and no CUDA GPU was "
-                             f"found; run the CPU demo with --preset tiny (or force --device cpu)")
+            raise SystemExit(
+                f"error: --preset {gpu_recipe} is a GPU recipe and no CUDA GPU was "
+                f"found; run the CPU demo with --preset tiny (or force --device cpu)"
+            )
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if requested == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but no CUDA GPU was found; use --device cpu")
@@ -285,8 +309,10 @@ def bf16_autocast(device: torch.device):
 
 def check_resumable(output_dir: Path, resume: bool) -> None:
     if resume and latest_checkpoint(output_dir) is None:
-        raise SystemExit(f"error: --resume, but {output_dir} holds no complete checkpoint; "
-                         f"drop --resume to start afresh")
+        raise SystemExit(
+            f"error: --resume, but {output_dir} holds no complete checkpoint; "
+            f"drop --resume to start afresh"
+        )
 
 
 def prepare_output_dir(output_dir: Path, resume: bool, overwrite: bool, config: dict) -> Path:
@@ -294,9 +320,11 @@ def prepare_output_dir(output_dir: Path, resume: bool, overwrite: bool, config: 
     holding the folder's lock (which it keeps)."""
     if (output_dir / "metrics.jsonl").exists() and not resume:
         if not overwrite:
-            raise SystemExit(f"error: {output_dir} already holds a run; pass --resume to continue "
-                             f"it, --overwrite-output-dir to start afresh, or choose another "
-                             f"--output-dir")
+            raise SystemExit(
+                f"error: {output_dir} already holds a run; pass --resume to continue "
+                f"it, --overwrite-output-dir to start afresh, or choose another "
+                f"--output-dir"
+            )
         for entry in output_dir.iterdir():
             if entry.name != ".lock":
                 shutil.rmtree(entry) if entry.is_dir() else entry.unlink()

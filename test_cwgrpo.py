@@ -4,7 +4,6 @@ Run: python -m pytest -q test_cwgrpo.py   (CPU, no network)
 """
 
 import contextlib
-from html.parser import HTMLParser
 import dataclasses
 import json
 import math
@@ -13,14 +12,15 @@ import shutil
 import subprocess
 import sys
 import time
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-import cwgrpo  # noqa: E402
 import ablate  # noqa: E402
+import cwgrpo  # noqa: E402
 import diagnose  # noqa: E402
 import plots  # noqa: E402
 import tiny  # noqa: E402
@@ -101,7 +101,9 @@ def test_cw_zero_advantages_give_uniform_weights_and_finite_gradient():
 
 def test_cw_one_token_responses_and_equal_scores_have_no_nan():
     mask = torch.tensor([[1.0], [1.0], [1.0]])
-    logp = torch.tensor([[-0.3], [-2.0], [-1.0]], requires_grad=True)  # one token: logp == own mean, c = 0
+    logp = torch.tensor(
+        [[-0.3], [-2.0], [-1.0]], requires_grad=True
+    )  # one token: logp == own mean, c = 0
     w = cw_weights(logp, torch.tensor([1.0, -1.0, 0.0]), mask, norm="padded")
     torch.testing.assert_close(w, torch.ones(3, 1))
     w.sum().backward()
@@ -115,24 +117,31 @@ def test_cw_rejects_unknown_norm():
 
 # -------------------------------------------------------------------------------------- advantages
 
+
 def test_group_advantages_hand_computed():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])
     bessel_std = math.sqrt(4 * 0.25 / 3)
-    expected = torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]) / torch.tensor([bessel_std + 1e-4] * 4 + [1e-4] * 4)
+    expected = torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]) / torch.tensor(
+        [bessel_std + 1e-4] * 4 + [1e-4] * 4
+    )
     torch.testing.assert_close(group_advantages(rewards, 4), expected)
 
 
 # ------------------------------------------------------------------------------------------ reward
 
-@pytest.mark.parametrize("completion,gold,score", [
-    ("so the answer is \\boxed{0.5}", "\\boxed{\\frac{1}{2}}", 1.0),
-    ("\\boxed{\\dfrac{1}{2}}", "$\\frac{1}{2}$", 1.0),
-    ("We get \\boxed{1/2}, which checks out.", "\\boxed{\\frac12}", 1.0),
-    ("<think>\n3+4=7\n</think>\n\\boxed{7}", "7", 1.0),
-    ("\\boxed{6}", "\\boxed{7}", 0.0),
-    ("I do not know", "7", 0.0),
-    ("\\boxed{\\frac{1}{", "\\boxed{7}", 0.0),
-])
+
+@pytest.mark.parametrize(
+    "completion,gold,score",
+    [
+        ("so the answer is \\boxed{0.5}", "\\boxed{\\frac{1}{2}}", 1.0),
+        ("\\boxed{\\dfrac{1}{2}}", "$\\frac{1}{2}$", 1.0),
+        ("We get \\boxed{1/2}, which checks out.", "\\boxed{\\frac12}", 1.0),
+        ("<think>\n3+4=7\n</think>\n\\boxed{7}", "7", 1.0),
+        ("\\boxed{6}", "\\boxed{7}", 0.0),
+        ("I do not know", "7", 0.0),
+        ("\\boxed{\\frac{1}{", "\\boxed{7}", 0.0),
+    ],
+)
 def test_math_reward(completion, gold, score):
     assert grade_accuracy(completion, gold).accuracy == score
 
@@ -159,6 +168,7 @@ def test_format_reward():
 
 # ------------------------------------------------------------------------------- sampling, logprobs
 
+
 def test_completion_mask_after_first_eos():
     eos, pad = 9, 0
     ids = torch.tensor([[5, 6, eos, pad, pad], [eos, eos, pad, pad, pad], [1, 2, 3, 4, 5]])
@@ -177,7 +187,9 @@ def test_chunked_logprobs_equal_direct(chunk):
     hidden = torch.randn(11, 8, generator=g, requires_grad=True)
     weight = torch.randn(50, 8, generator=g, requires_grad=True)
     targets = torch.randint(0, 50, (11,), generator=g)
-    logp, entropy = cwgrpo.chunked_logprobs(hidden, weight, targets, 0.7, chunk * 50)  # chunk positions at once
+    logp, entropy = cwgrpo.chunked_logprobs(
+        hidden, weight, targets, 0.7, chunk * 50
+    )  # chunk positions at once
     (logp * torch.arange(11.0)).sum().backward()
     grads = hidden.grad.clone(), weight.grad.clone()
     hidden.grad = weight.grad = None
@@ -219,11 +231,20 @@ def test_rollout_logprobs_match_unpadded_forward(tiny_model):
     assert rollout.prompt_ids.shape[0] == 2 * cfg.group_size
     logp, entropy, _ = cwgrpo.completion_logprobs(model, rollout, cfg)
     assert (logp[rollout.completion_mask == 0] == 0).all() and (entropy >= 0).all()
-    for row in (0, cfg.group_size, 2 * cfg.group_size - 1):  # a shorter (left-padded) prompt and a longer
-        n_prompt, n_completion = int(rollout.prompt_mask[row].sum()), int(rollout.completion_mask[row].sum())
-        ids = torch.cat([rollout.prompt_ids[row, -n_prompt:], rollout.completion_ids[row, :n_completion]])
+    for row in (
+        0,
+        cfg.group_size,
+        2 * cfg.group_size - 1,
+    ):  # a shorter (left-padded) prompt and a longer
+        n_prompt, n_completion = (
+            int(rollout.prompt_mask[row].sum()),
+            int(rollout.completion_mask[row].sum()),
+        )
+        ids = torch.cat(
+            [rollout.prompt_ids[row, -n_prompt:], rollout.completion_ids[row, :n_completion]]
+        )
         with torch.no_grad():
-            logits = model(input_ids=ids[None]).logits[0, n_prompt - 1:-1] / cfg.temperature
+            logits = model(input_ids=ids[None]).logits[0, n_prompt - 1 : -1] / cfg.temperature
         direct = logits.log_softmax(-1).gather(-1, ids[n_prompt:, None]).squeeze(-1)
         torch.testing.assert_close(logp[row, :n_completion].detach(), direct, rtol=1e-4, atol=1e-5)
 
@@ -236,15 +257,34 @@ def test_gradient_does_not_depend_on_micro_batching(tiny_model, method):
     batch = [(cwgrpo.chat_prompt_ids(tokenizer, q, ""), "\\boxed{3}") for q in ["1+2", "2+1"]]
     grads = []
     for groups_per_micro_batch in (2, 1):
-        cfg = cwgrpo.parse_config(["--preset", "tiny", "--method", method, "--max-completion-length", "10",
-                                   "--prompts-per-step", "2", "--groups-per-micro-batch", str(groups_per_micro_batch)])
+        cfg = cwgrpo.parse_config(
+            [
+                "--preset",
+                "tiny",
+                "--method",
+                method,
+                "--max-completion-length",
+                "10",
+                "--prompts-per-step",
+                "2",
+                "--groups-per-micro-batch",
+                str(groups_per_micro_batch),
+            ]
+        )
         torch.manual_seed(0)
         rollout = cwgrpo.sample(model, tokenizer, batch, cfg)
-        rollout.advantages = torch.randn(len(rollout.texts), generator=torch.Generator().manual_seed(1))
-        rows, n_tokens = cfg.groups_per_micro_batch * cfg.group_size, int(rollout.completion_mask.sum())
+        rollout.advantages = torch.randn(
+            len(rollout.texts), generator=torch.Generator().manual_seed(1)
+        )
+        rows, n_tokens = (
+            cfg.groups_per_micro_batch * cfg.group_size,
+            int(rollout.completion_mask.sum()),
+        )
         model.zero_grad()
         for start in range(0, len(rollout.texts), rows):
-            loss, _ = cwgrpo.micro_batch_loss(model, rollout.select(start, start + rows), cfg, len(rollout.texts), n_tokens)
+            loss, _ = cwgrpo.micro_batch_loss(
+                model, rollout.select(start, start + rows), cfg, len(rollout.texts), n_tokens
+            )
             loss.backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     model.zero_grad()
@@ -254,10 +294,15 @@ def test_gradient_does_not_depend_on_micro_batching(tiny_model, method):
 
 # ------------------------------------------------------------------------------------- config, errors
 
+
 @pytest.mark.slow
 def test_help_documents_every_option():
-    out = subprocess.run([sys.executable, str(HERE / "cwgrpo.py"), "--help"], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(HERE / "cwgrpo.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0
     for f in cwgrpo.dataclasses.fields(cwgrpo.Config):
         assert f"--{f.name}" in out.stdout and f.metadata.get("help")
@@ -267,22 +312,37 @@ def test_help_documents_every_option():
 
 def test_presets_and_overrides():
     cfg = cwgrpo.parse_config([])
-    assert (cfg.preset, cfg.method, cfg.group_size, cfg.learning_rate, cfg.beta) == ("paper-1.5b", "cw", 12, 1e-6, 0.04)
+    assert (cfg.preset, cfg.method, cfg.group_size, cfg.learning_rate, cfg.beta) == (
+        "paper-1.5b",
+        "cw",
+        12,
+        1e-6,
+        0.04,
+    )
     cfg = cwgrpo.parse_config(["--preset", "tiny", "--group-size", "4", "--cw-detach"])
     assert cfg.model == "runs/tiny-base/model" and cfg.group_size == 4 and cfg.cw_detach
     assert cfg.output_dir == "runs/cw-tiny-seed0"
 
 
 def run_cli(*args, timeout=120):
-    return subprocess.run([sys.executable, str(HERE / "cwgrpo.py"), *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    return subprocess.run(
+        [sys.executable, str(HERE / "cwgrpo.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
 
 
 @pytest.mark.slow
 def test_gpu_recipe_without_cuda_fails_in_one_line(tmp_path):
     out = run_cli("--method", "cw", "--output-dir", str(tmp_path / "run"))
     assert out.returncode != 0
-    assert "no CUDA GPU" in out.stderr and "--preset tiny" in out.stderr and "Traceback" not in out.stderr
+    assert (
+        "no CUDA GPU" in out.stderr
+        and "--preset tiny" in out.stderr
+        and "Traceback" not in out.stderr
+    )
     assert len(out.stderr.strip().splitlines()) == 1
 
 
@@ -312,18 +372,28 @@ def test_model_not_found_offline_fails_clearly(tmp_path):
 
 # ----------------------------------------------------------------- bad input: one line, before work
 
-@pytest.mark.parametrize("option,value,rule", [
-    ("--learning-rate", "-1e-6", "> 0"), ("--learning-rate", "0", "> 0"), ("--steps", "0", "> 0"),
-    ("--temperature", "0", "> 0"), ("--top-p", "1.5", "in (0, 1]"), ("--beta", "-0.1", ">= 0"),
-    ("--warmup-ratio", "2", "in [0, 1]"), ("--save-every", "0", "> 0"),
-    ("--reward-timeout-s", "0", "> 0"), ("--lopti-eta", "0", "in (0, 1]"),
-])
+
+@pytest.mark.parametrize(
+    "option,value,rule",
+    [
+        ("--learning-rate", "-1e-6", "> 0"),
+        ("--learning-rate", "0", "> 0"),
+        ("--steps", "0", "> 0"),
+        ("--temperature", "0", "> 0"),
+        ("--top-p", "1.5", "in (0, 1]"),
+        ("--beta", "-0.1", ">= 0"),
+        ("--warmup-ratio", "2", "in [0, 1]"),
+        ("--save-every", "0", "> 0"),
+        ("--reward-timeout-s", "0", "> 0"),
+        ("--lopti-eta", "0", "in (0, 1]"),
+    ],
+)
 def test_numeric_options_out_of_range_are_refused_at_parse_time(option, value, rule):
     with pytest.raises(SystemExit) as refused:
         cwgrpo.parse_config(["--preset", "tiny", f"{option}={value}"])
     prefix = f"error: {option} must be {rule}; got "
     assert str(refused.value).startswith(prefix)
-    assert float(str(refused.value)[len(prefix):]) == float(value)
+    assert float(str(refused.value)[len(prefix) :]) == float(value)
 
 
 @pytest.mark.slow
@@ -337,32 +407,44 @@ def test_bad_option_value_from_the_command_line_is_one_line():
 def test_bad_paths_and_data_stop_before_any_model_is_loaded(tmp_path, tiny_args, monkeypatch):
     def no_loading(*_, **__):
         raise AssertionError("a model was loaded before the input was checked")
+
     monkeypatch.setattr(cwgrpo, "load_model", no_loading)
     monkeypatch.setattr(cwgrpo, "load_tokenizer", no_loading)
 
     def refused(*args):
         with pytest.raises(SystemExit) as error:
-            cwgrpo.train(cwgrpo.parse_config([*tiny_args, "--output-dir", str(tmp_path / "r"),
-                                              *args]))
+            cwgrpo.train(
+                cwgrpo.parse_config([*tiny_args, "--output-dir", str(tmp_path / "r"), *args])
+            )
         assert "\n" not in str(error.value)
         return str(error.value)
+
     (tmp_path / "file").write_text("")
-    assert refused("--output-dir", str(tmp_path / "file")) == \
-        f"error: --output-dir {tmp_path / 'file'} is a file; choose a folder"
+    assert (
+        refused("--output-dir", str(tmp_path / "file"))
+        == f"error: --output-dir {tmp_path / 'file'} is a file; choose a folder"
+    )
     assert "holds no complete checkpoint; drop --resume" in refused("--resume")
-    assert refused("--model", str(tmp_path / "no" / "model")) == \
-        f"error: --model {tmp_path / 'no' / 'model'}: no such folder (build it with: python tiny.py)"
+    assert (
+        refused("--model", str(tmp_path / "no" / "model"))
+        == f"error: --model {tmp_path / 'no' / 'model'}: no such folder (build it with: python tiny.py)"
+    )
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    assert refused("--dataset", str(empty)) == \
-        f"error: dataset file {empty} is empty; give a file with some rows"
+    assert (
+        refused("--dataset", str(empty))
+        == f"error: dataset file {empty} is empty; give a file with some rows"
+    )
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"problem": "1+1", "solution": "2"}\n\n{"problem": "2+2", "solution"\n')
     message = refused("--dataset", str(broken))
-    assert message.startswith(f"error: {broken} line 3 is not valid JSON") and "online" not in message
+    assert (
+        message.startswith(f"error: {broken} line 3 is not valid JSON") and "online" not in message
+    )
 
 
 # ------------------------------------------------------------------------------------ end to end
+
 
 @pytest.fixture(scope="session")
 def tiny_base(tmp_path_factory):
@@ -372,19 +454,29 @@ def tiny_base(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_args(tiny_base):
-    return ["--preset", "tiny", "--model", str(tiny_base / "model"),
-            "--dataset", str(tiny_base / "arithmetic.jsonl")]
+    return [
+        "--preset",
+        "tiny",
+        "--model",
+        str(tiny_base / "model"),
+        "--dataset",
+        str(tiny_base / "arithmetic.jsonl"),
+    ]
 
 
 @pytest.fixture(scope="session")
 def TINY_RUN(tiny_args):
     return [*tiny_args, "--steps", "4", "--save-every", "2"]
+
+
 TIMING_KEYS = {"rollout_s", "update_s", "tokens_per_s", "time"}
 
 
 def read_metrics(path):
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS}
-            for line in path.read_text().splitlines()]
+    return [
+        {k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS}
+        for line in path.read_text().splitlines()
+    ]
 
 
 @pytest.fixture(scope="session")
@@ -398,15 +490,36 @@ def tiny_run(tmp_path_factory, TINY_RUN):
 def test_tiny_run_writes_metrics_checkpoints_and_model(tiny_run):
     records = read_metrics(tiny_run / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
-    required = {"step", "reward_mean", "reward_std", "accuracy_mean", "entropy_mean", "completion_len_mean",
-                "frac_zero_std_groups", "loss", "grad_norm", "lr", "kl_mean", "clip_frac", "w_mean", "w_std",
-                "w_min", "w_max"}
+    required = {
+        "step",
+        "reward_mean",
+        "reward_std",
+        "accuracy_mean",
+        "entropy_mean",
+        "completion_len_mean",
+        "frac_zero_std_groups",
+        "loss",
+        "grad_norm",
+        "lr",
+        "kl_mean",
+        "clip_frac",
+        "w_mean",
+        "w_std",
+        "w_min",
+        "w_max",
+    }
     assert required <= set(records[0])
     assert all(math.isfinite(r[k]) for r in records for k in required)
-    assert all(r["clip_frac"] == 0 for r in records)  # one update per batch: ratio == 1, nothing clipped
-    assert records[0]["kl_mean"] == 0 and records[-1]["kl_mean"] > 0  # the policy leaves the reference
+    assert all(
+        r["clip_frac"] == 0 for r in records
+    )  # one update per batch: ratio == 1, nothing clipped
+    assert (
+        records[0]["kl_mean"] == 0 and records[-1]["kl_mean"] > 0
+    )  # the policy leaves the reference
     for name in ("checkpoint-2", "checkpoint-4", "final-model"):
-        assert (tiny_run / name / "config.json").is_file() and (tiny_run / name / "tokenizer_config.json").is_file()
+        assert (tiny_run / name / "config.json").is_file() and (
+            tiny_run / name / "tokenizer_config.json"
+        ).is_file()
     assert (tiny_run / "checkpoint-2" / "trainer_state.pt").is_file()
     assert "rollout_s" in json.loads((tiny_run / "metrics.jsonl").read_text().splitlines()[0])
 
@@ -433,11 +546,31 @@ def test_existing_run_is_not_silently_overwritten(tiny_run, TINY_RUN):
 @pytest.mark.slow
 def test_grpo_and_token_mean_and_iterations_run(tmp_path, TINY_RUN):
     out = tmp_path / "grpo"
-    cwgrpo.train(cwgrpo.parse_config([*TINY_RUN, "--method", "grpo", "--output-dir", str(out), "--steps", "2",
-                                      "--loss-aggregation", "token-mean", "--num-iterations", "2",
-                                      "--groups-per-micro-batch", "2", "--beta", "0"]))
+    cwgrpo.train(
+        cwgrpo.parse_config(
+            [
+                *TINY_RUN,
+                "--method",
+                "grpo",
+                "--output-dir",
+                str(out),
+                "--steps",
+                "2",
+                "--loss-aggregation",
+                "token-mean",
+                "--num-iterations",
+                "2",
+                "--groups-per-micro-batch",
+                "2",
+                "--beta",
+                "0",
+            ]
+        )
+    )
     records = read_metrics(out / "metrics.jsonl")
-    assert [r["step"] for r in records] == [1, 2, 3, 4] and [r["rollout_step"] for r in records] == [1, 1, 2, 2]
+    assert [r["step"] for r in records] == [1, 2, 3, 4] and [
+        r["rollout_step"] for r in records
+    ] == [1, 1, 2, 2]
     # the second update of a batch keeps the rollout's old log-probs: its ratios have moved off 1,
     # so its token-mean loss differs from the first's (on-policy, both would be -mean(A) alike)
     assert records[1]["loss"] != records[0]["loss"] and records[3]["loss"] != records[2]["loss"]
@@ -446,12 +579,22 @@ def test_grpo_and_token_mean_and_iterations_run(tmp_path, TINY_RUN):
 
 # ---------------------------------------------------------------------------------------- methods
 
-def make_group(logp, adv, mask, old_logp=None, entropy=None, batch_entropy=None, divergence=None, update_pass=0):
+
+def make_group(
+    logp, adv, mask, old_logp=None, entropy=None, batch_entropy=None, divergence=None, update_pass=0
+):
     old_logp = logp.clone() if old_logp is None else old_logp
     entropy = torch.zeros_like(logp) if entropy is None else entropy
-    return cwgrpo.Group(logp=logp, old_logp=old_logp, advantages=adv, mask=mask, entropy=entropy,
-                        batch_entropy=batch_entropy, divergence=divergence,
-                        update_pass=update_pass)
+    return cwgrpo.Group(
+        logp=logp,
+        old_logp=old_logp,
+        advantages=adv,
+        mask=mask,
+        entropy=entropy,
+        batch_entropy=batch_entropy,
+        divergence=divergence,
+        update_pass=update_pass,
+    )
 
 
 def method_cfg(*args):
@@ -471,7 +614,9 @@ def test_token_covariance_hand_computed():
 
 
 def test_clip_cov_zeroes_the_one_candidate():
-    terms = cwgrpo.clip_cov(make_group(COV_LOGP, COV_ADV, COV_MASK), method_cfg("--clip-cov-ratio", "0.25"))
+    terms = cwgrpo.clip_cov(
+        make_group(COV_LOGP, COV_ADV, COV_MASK), method_cfg("--clip-cov-ratio", "0.25")
+    )
     assert terms.pg_weight.tolist() == [[0, 1, 0], [1, 1, 1]] and terms.clip and terms.extra is None
     # the same token already clipped by PPO (ratio 1.5 > 1.2 with A > 0) is no candidate
     old = COV_LOGP.clone()
@@ -494,13 +639,23 @@ def test_clip_cov_selects_max_floor_rn_1_candidates(seed):
 def test_kl_cov_penalises_exactly_the_top_k():
     old = COV_LOGP - 0.1
     logp = COV_LOGP.clone().requires_grad_(True)
-    terms = cwgrpo.kl_cov(make_group(logp, COV_ADV, COV_MASK, old_logp=old), method_cfg("--kl-cov-ratio", "0.25"))
+    terms = cwgrpo.kl_cov(
+        make_group(logp, COV_ADV, COV_MASK, old_logp=old), method_cfg("--kl-cov-ratio", "0.25")
+    )
     assert not terms.clip and torch.equal(terms.pg_weight, COV_MASK)
     torch.testing.assert_close(terms.extra.detach(), torch.tensor([[0.1, 0, 0], [0, 0, 0]]))
     logp, adv, mask = random_group(1, G=8, T=40)
-    terms = cwgrpo.kl_cov(make_group(logp, adv, mask, old_logp=logp - 0.3), method_cfg("--kl-cov-ratio", "0.05"))
+    terms = cwgrpo.kl_cov(
+        make_group(logp, adv, mask, old_logp=logp - 0.3), method_cfg("--kl-cov-ratio", "0.05")
+    )
     k = max(1, int(0.05 * mask.sum()))
-    top = cwgrpo.token_covariance(logp, adv, mask).masked_fill(mask == 0, -1e9).view(-1).topk(k).indices
+    top = (
+        cwgrpo.token_covariance(logp, adv, mask)
+        .masked_fill(mask == 0, -1e9)
+        .view(-1)
+        .topk(k)
+        .indices
+    )
     expected = torch.zeros(mask.numel())
     expected[top] = 0.3
     torch.testing.assert_close(terms.extra.view(-1), expected)
@@ -511,17 +666,23 @@ def test_ar_weights_are_alpha_p_plus_one_minus_alpha():
     mask = torch.ones(1, 3)
     group = make_group(old.clone(), torch.tensor([1.0]), mask, old_logp=old)
     torch.testing.assert_close(cwgrpo.ar(group, method_cfg()).pg_weight, 0.2 * old.exp() + 0.8)
-    torch.testing.assert_close(cwgrpo.ar_lopti(group, method_cfg()).pg_weight, 0.3 * old.exp() + 0.7)
-    torch.testing.assert_close(cwgrpo.ar(group, method_cfg("--ar-alpha", "0.5")).pg_weight,
-                               torch.tensor([[0.55, 0.75, 0.95]]))
+    torch.testing.assert_close(
+        cwgrpo.ar_lopti(group, method_cfg()).pg_weight, 0.3 * old.exp() + 0.7
+    )
+    torch.testing.assert_close(
+        cwgrpo.ar(group, method_cfg("--ar-alpha", "0.5")).pg_weight,
+        torch.tensor([[0.55, 0.75, 0.95]]),
+    )
 
 
 def test_lopti_passes_partition_the_valid_tokens():
     old = torch.log(torch.tensor([[0.1, 0.39, 0.41, 0.9], [0.45, 0.6, 0.2, 0.5]]))
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.0]])
     cfg = method_cfg()
-    low, high = (cwgrpo.lopti(make_group(old, torch.ones(2), mask, old_logp=old, update_pass=p), cfg).active
-                 for p in (0, 1))
+    low, high = (
+        cwgrpo.lopti(make_group(old, torch.ones(2), mask, old_logp=old, update_pass=p), cfg).active
+        for p in (0, 1)
+    )
     assert low.tolist() == [[1, 1, 0, 0], [0, 0, 1, 0]]  # eta 0.4 alone
     assert torch.equal(low + high, mask)
     low_ar = cwgrpo.ar_lopti(make_group(old, torch.ones(2), mask, old_logp=old), cfg).active
@@ -533,8 +694,9 @@ def test_ict_streamed_divergence_equals_direct(group_size):
     g = torch.Generator().manual_seed(0)
     hidden, weight = torch.randn(4, 7, 5, generator=g), torch.randn(11, 5, generator=g)
     mask = (torch.arange(7)[None] < torch.tensor([7, 5, 2, 6])[:, None]).float()
-    streamed = cwgrpo.ict_divergence(hidden, weight, mask, 0.7, chunk_elements=4 * 11 * 2,
-                                     group_size=group_size)  # 2 positions per chunk
+    streamed = cwgrpo.ict_divergence(
+        hidden, weight, mask, 0.7, chunk_elements=4 * 11 * 2, group_size=group_size
+    )  # 2 positions per chunk
     p = (hidden @ weight.T / 0.7).softmax(-1)
     for first in range(0, 4, group_size):  # pbar is the mean over one's own group only
         rows = range(first, first + group_size)
@@ -543,8 +705,10 @@ def test_ict_streamed_divergence_equals_direct(group_size):
             p_bar = p[running, t].mean(0)
             for i in rows:
                 m = (p[i, t] + p_bar) / 2
-                js = 0.5 * (p[i, t] * (p[i, t] / m).log()).sum() + \
-                    0.5 * (p_bar * (p_bar / m).log()).sum()
+                js = (
+                    0.5 * (p[i, t] * (p[i, t] / m).log()).sum()
+                    + 0.5 * (p_bar * (p_bar / m).log()).sum()
+                )
                 expected = js.item() if i in running else 0.0
                 assert streamed[i, t].item() == pytest.approx(expected, abs=1e-6)
 
@@ -552,11 +716,15 @@ def test_ict_streamed_divergence_equals_direct(group_size):
 def test_ict_keeps_each_responses_top_tenth():
     mask = (torch.arange(25)[None] < torch.tensor([25, 10, 3])[:, None]).float()
     divergence = torch.rand(3, 25, generator=torch.Generator().manual_seed(0)) * mask
-    terms = cwgrpo.ict(make_group(torch.zeros(3, 25), torch.ones(3), mask, divergence=divergence), method_cfg())
+    terms = cwgrpo.ict(
+        make_group(torch.zeros(3, 25), torch.ones(3), mask, divergence=divergence), method_cfg()
+    )
     kept = terms.pg_weight > 0
     assert kept.sum(1).tolist() == [3, 1, 1]  # ceil(10% of 25, 10, 3)
     for i, k in enumerate([3, 1, 1]):
-        assert set(kept[i].nonzero().flatten().tolist()) == set(divergence[i].topk(k).indices.tolist())
+        assert set(kept[i].nonzero().flatten().tolist()) == set(
+            divergence[i].topk(k).indices.tolist()
+        )
     torch.testing.assert_close(terms.pg_weight.sum(1), mask.sum(1))  # mean over kept tokens only
 
 
@@ -569,24 +737,41 @@ def test_sorted_quantile_matches_torch_quantile():
 def test_entropy20_keeps_the_top_fifth_by_entropy():
     entropy = torch.arange(10.0).view(2, 5)
     mask = torch.ones(2, 5)
-    terms = cwgrpo.entropy20(make_group(torch.zeros(2, 5), torch.ones(2), mask, entropy=entropy,
-                                        batch_entropy=entropy.flatten()), method_cfg())
-    assert terms.pg_weight.tolist() == [[0, 0, 0, 0, 0], [0, 0, 0, 1, 1]]  # H >= 80th percentile (7.2)
+    terms = cwgrpo.entropy20(
+        make_group(
+            torch.zeros(2, 5), torch.ones(2), mask, entropy=entropy, batch_entropy=entropy.flatten()
+        ),
+        method_cfg(),
+    )
+    assert terms.pg_weight.tolist() == [
+        [0, 0, 0, 0, 0],
+        [0, 0, 0, 1, 1],
+    ]  # H >= 80th percentile (7.2)
 
 
 def test_stapo_silences_only_tokens_meeting_all_three_conditions():
     old = torch.log(torch.tensor([[0.005, 0.005, 0.5, 0.005], [0.005, 0.5, 0.5, 0.5]]))
     entropy = torch.tensor([[0.0, 5.0, 0.0, 0.0], [0.0, 1.0, 1.0, 1.0]])
     mask = torch.ones(2, 4)
-    group = make_group(old.clone(), torch.tensor([1.0, -1.0]), mask, old_logp=old, entropy=entropy,
-                       batch_entropy=torch.full((100,), -1.0))
-    assert torch.equal(cwgrpo.stapo(group, method_cfg()).pg_weight, mask)  # no entropy below the 5th pct (-1)
+    group = make_group(
+        old.clone(),
+        torch.tensor([1.0, -1.0]),
+        mask,
+        old_logp=old,
+        entropy=entropy,
+        batch_entropy=torch.full((100,), -1.0),
+    )
+    assert torch.equal(
+        cwgrpo.stapo(group, method_cfg()).pg_weight, mask
+    )  # no entropy below the 5th pct (-1)
     # 5th percentile of 5 zeros and 95 threes: 0.95 * 3 = 2.85
     group = group._replace(batch_entropy=torch.cat([torch.zeros(5), torch.full((95,), 3.0)]))
     terms = cwgrpo.stapo(group, method_cfg())
     # silenced: A > 0 (row 0) and p < 0.01 (columns 0, 1, 3) and entropy < 2.85 (columns 0, 2, 3)
     assert (terms.pg_weight == 0).tolist() == [[True, False, False, True], [False] * 4]
-    torch.testing.assert_close(terms.pg_weight[0], torch.tensor([0.0, 2.0, 2.0, 0.0]))  # renormalised
+    torch.testing.assert_close(
+        terms.pg_weight[0], torch.tensor([0.0, 2.0, 2.0, 0.0])
+    )  # renormalised
     torch.testing.assert_close(terms.pg_weight[1], torch.ones(4))
 
 
@@ -594,12 +779,29 @@ def test_stapo_silences_only_tokens_meeting_all_three_conditions():
 @pytest.mark.parametrize("method", sorted(cwgrpo.METHODS))
 def test_every_method_trains_on_the_tiny_preset(method, tmp_path, tiny_args):
     out = tmp_path / method
-    cwgrpo.train(cwgrpo.parse_config([*tiny_args, "--method", method, "--steps", "2",
-                                      "--save-every", "2", "--output-dir", str(out)]))
+    cwgrpo.train(
+        cwgrpo.parse_config(
+            [
+                *tiny_args,
+                "--method",
+                method,
+                "--steps",
+                "2",
+                "--save-every",
+                "2",
+                "--output-dir",
+                str(out),
+            ]
+        )
+    )
     records = read_metrics(out / "metrics.jsonl")
     passes = cwgrpo.METHODS[method].update_passes
     assert [r["update_pass"] for r in records] == list(range(passes)) * 2  # lopti: low pass first
-    assert all(math.isfinite(r[k]) for r in records for k in ("loss", "grad_norm", "w_mean", "touched_frac"))
+    assert all(
+        math.isfinite(r[k])
+        for r in records
+        for k in ("loss", "grad_norm", "w_mean", "touched_frac")
+    )
     if passes == 2:  # the two passes' active tokens partition the valid tokens
         assert records[0]["pg_active_frac"] + records[1]["pg_active_frac"] == pytest.approx(1.0)
     assert all(METHOD_FOOTPRINT[method](r) for r in records), records
@@ -624,23 +826,48 @@ METHOD_FOOTPRINT = {  # what each method must have done to a batch's tokens, fro
 import evaluate  # noqa: E402
 
 
-@pytest.mark.parametrize("n,c,k,expected", [
-    (5, 0, 1, 0.0), (5, 5, 1, 1.0), (5, 5, 5, 1.0), (5, 2, 1, 0.4), (4, 1, 2, 0.5),
-    (10, 3, 5, 1 - 21 / 252),  # 1 - C(7,5)/C(10,5)
-    (10, 7, 4, 1.0),           # k > n - c: every draw of 4 holds a correct one
-])
+@pytest.mark.parametrize(
+    "n,c,k,expected",
+    [
+        (5, 0, 1, 0.0),
+        (5, 5, 1, 1.0),
+        (5, 5, 5, 1.0),
+        (5, 2, 1, 0.4),
+        (4, 1, 2, 0.5),
+        (10, 3, 5, 1 - 21 / 252),  # 1 - C(7,5)/C(10,5)
+        (10, 7, 4, 1.0),  # k > n - c: every draw of 4 holds a correct one
+    ],
+)
 def test_pass_at_k_exact(n, c, k, expected):
     assert evaluate.pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
 
 
-@pytest.mark.parametrize("completion,gold,gold_format,score", [
-    ("... Therefore, the final answer is: $\\boxed{33}$. I hope it is correct", "33", "expr", 1.0),  # AIME/AMC
-    ("Therefore, the final answer is: $\\boxed{34}$.", "33", "expr", 0.0),
-    ("so $\\boxed{\\dfrac{1}{2}}$", "We find $x = \\boxed{\\frac{1}{2}}$.", "latex", 1.0),  # MATH-500 / Minerva solutions
-    ("so $\\boxed{0.5}$", "The answer is $\\boxed{\\frac{1}{2}}$", "latex", 1.0),
-    ("the final answer is: $\\boxed{\\frac{\\sqrt{3}}{2}}$", "$\\frac{\\sqrt{3}}{2}$", "latex", 1.0),  # OlympiadBench
-    ("the final answer is: $\\boxed{\\sqrt{3}}$", "$\\frac{\\sqrt{3}}{2}$", "latex", 0.0),
-])
+@pytest.mark.parametrize(
+    "completion,gold,gold_format,score",
+    [
+        (
+            "... Therefore, the final answer is: $\\boxed{33}$. I hope it is correct",
+            "33",
+            "expr",
+            1.0,
+        ),  # AIME/AMC
+        ("Therefore, the final answer is: $\\boxed{34}$.", "33", "expr", 0.0),
+        (
+            "so $\\boxed{\\dfrac{1}{2}}$",
+            "We find $x = \\boxed{\\frac{1}{2}}$.",
+            "latex",
+            1.0,
+        ),  # MATH-500 / Minerva solutions
+        ("so $\\boxed{0.5}$", "The answer is $\\boxed{\\frac{1}{2}}$", "latex", 1.0),
+        (
+            "the final answer is: $\\boxed{\\frac{\\sqrt{3}}{2}}$",
+            "$\\frac{\\sqrt{3}}{2}$",
+            "latex",
+            1.0,
+        ),  # OlympiadBench
+        ("the final answer is: $\\boxed{\\sqrt{3}}$", "$\\frac{\\sqrt{3}}{2}$", "latex", 0.0),
+    ],
+)
 def test_grading_of_each_benchmarks_gold_form(completion, gold, gold_format, score):
     assert Grader().grade(completion, gold, gold_format).accuracy == score
 
@@ -648,25 +875,53 @@ def test_grading_of_each_benchmarks_gold_form(completion, gold, gold_format, sco
 @pytest.mark.slow
 def test_evaluate_tiny_model_on_a_local_file_and_resume(tiny_run, tmp_path):
     bench = tmp_path / "arith.jsonl"
-    bench.write_text("".join(json.dumps({"problem": f"{a}+{a}", "answer": str(2 * a)}) + "\n" for a in range(5)))
+    bench.write_text(
+        "".join(json.dumps({"problem": f"{a}+{a}", "answer": str(2 * a)}) + "\n" for a in range(5))
+    )
     out = tmp_path / "eval"
-    args = ["--model", str(tiny_run / "final-model"), "--benchmarks", str(bench), "--gold-format", "expr",
-            "--n", "3", "--max-new-tokens", "8", "--batch-size", "2", "--output-dir", str(out), "--device", "cpu"]
+    args = [
+        "--model",
+        str(tiny_run / "final-model"),
+        "--benchmarks",
+        str(bench),
+        "--gold-format",
+        "expr",
+        "--n",
+        "3",
+        "--max-new-tokens",
+        "8",
+        "--batch-size",
+        "2",
+        "--output-dir",
+        str(out),
+        "--device",
+        "cpu",
+    ]
     evaluate.main(args)
     results = json.loads((out / "results.json").read_text())["benchmarks"]["arith"]
     assert results["problems"] == 5 and results["samples_per_problem"] == 3
     assert set(results["pass@k"]) == {"1", "2"}
-    assert all(len(p["completions"]) == 3 and len(p["correct"]) == 3 for p in results["per_problem"])
+    assert all(
+        len(p["completions"]) == 3 and len(p["correct"]) == 3 for p in results["per_problem"]
+    )
     assert results["pass@1"] == pytest.approx(100 * results["correct_samples"] / 15)
     table = (out / "results.md").read_text()
-    assert "| model / method | arith | avg |" in table and "(measured)" in table and "(published)" not in table
+    assert (
+        "| model / method | arith | avg |" in table
+        and "(measured)" in table
+        and "(published)" not in table
+    )
 
     progress = out / "arith.jsonl"
     lines = progress.read_text().splitlines()
-    progress.write_text("\n".join(lines[:-1]) + "\n")  # as if killed before the last problem was written
+    progress.write_text(
+        "\n".join(lines[:-1]) + "\n"
+    )  # as if killed before the last problem was written
     evaluate.main(args)
     relines = progress.read_text().splitlines()
-    assert len(relines) == len(lines) and relines[:-1] == lines[:-1]  # only the missing problem was generated
+    assert (
+        len(relines) == len(lines) and relines[:-1] == lines[:-1]
+    )  # only the missing problem was generated
 
 
 @pytest.mark.slow
@@ -678,13 +933,31 @@ def test_evaluate_rejects_unknown_benchmark(tiny_run):
 @pytest.mark.slow
 def test_evaluate_checkpoints_writes_the_stability_table(tiny_run, tmp_path):
     bench = tmp_path / "arith.jsonl"
-    bench.write_text("".join(json.dumps({"problem": f"{a}+1", "answer": str(a + 1)}) + "\n" for a in range(3)))
+    bench.write_text(
+        "".join(json.dumps({"problem": f"{a}+1", "answer": str(a + 1)}) + "\n" for a in range(3))
+    )
     out = tmp_path / "ckpt"
-    evaluate.main(["--checkpoints", str(tiny_run / "checkpoint-*"), "--benchmarks", str(bench), "--gold-format",
-                   "expr", "--protocol", "paper", "--max-new-tokens", "6", "--output-dir", str(out)])
+    evaluate.main(
+        [
+            "--checkpoints",
+            str(tiny_run / "checkpoint-*"),
+            "--benchmarks",
+            str(bench),
+            "--gold-format",
+            "expr",
+            "--protocol",
+            "paper",
+            "--max-new-tokens",
+            "6",
+            "--output-dir",
+            str(out),
+        ]
+    )
     table = (out / "checkpoints.md").read_text()
     assert "| benchmark | step 2 | step 4 |" in table and "| arith |" in table
-    assert (out / "checkpoint-2" / "results.json").is_file() and (out / "checkpoint-4" / "results.md").is_file()
+    assert (out / "checkpoint-2" / "results.json").is_file() and (
+        out / "checkpoint-4" / "results.md"
+    ).is_file()
 
 
 def test_interval_by_hand():
@@ -693,33 +966,73 @@ def test_interval_by_hand():
 
 
 @pytest.mark.slow
-def test_ablate_table_holds_the_runs_figures_and_a_run_equals_its_standalone_twin(tmp_path,
-                                                                                  tiny_args):
+def test_ablate_table_holds_the_runs_figures_and_a_run_equals_its_standalone_twin(
+    tmp_path, tiny_args
+):
     out = tmp_path / "ablation"
-    args = ["--methods", "grpo,cw-detached=cw --cw-detach", "--seeds", "2", "--no-plot",
-            "--output-dir", str(out), "--", *tiny_args[2:], "--steps", "3", "--save-every", "3"]
+    args = [
+        "--methods",
+        "grpo,cw-detached=cw --cw-detach",
+        "--seeds",
+        "2",
+        "--no-plot",
+        "--output-dir",
+        str(out),
+        "--",
+        *tiny_args[2:],
+        "--steps",
+        "3",
+        "--save-every",
+        "3",
+    ]
     ablate.ablate(args)
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == [
-        "cw-detached-seed0", "cw-detached-seed1", "grpo-seed0", "grpo-seed1"]
-    runs = {label: [ablate.run_summary(out / f"{label}-seed{seed}", 0.7) for seed in (0, 1)]
-            for label in ("grpo", "cw-detached")}
+        "cw-detached-seed0",
+        "cw-detached-seed1",
+        "grpo-seed0",
+        "grpo-seed1",
+    ]
+    runs = {
+        label: [ablate.run_summary(out / f"{label}-seed{seed}", 0.7) for seed in (0, 1)]
+        for label in ("grpo", "cw-detached")
+    }
     final = {label: [r["final_accuracy_mean"] for r in rs] for label, rs in runs.items()}
-    rows = {line.split(" | ")[0][2:]: line.split(" | ")
-            for line in (out / "ablation.md").read_text().splitlines() if line.startswith("| ")}
+    rows = {
+        line.split(" | ")[0][2:]: line.split(" | ")
+        for line in (out / "ablation.md").read_text().splitlines()
+        if line.startswith("| ")
+    }
     assert rows["cw-detached"][1] == "`--method cw --cw-detach`"
     assert rows["grpo"][2].endswith(ablate.cell(final["grpo"])) and rows["grpo"][3] == "-"
-    assert rows["cw-detached"][3].strip("*") == ablate.difference(final["cw-detached"],
-                                                                 final["grpo"]).strip("*")
+    assert rows["cw-detached"][3].strip("*") == ablate.difference(
+        final["cw-detached"], final["grpo"]
+    ).strip("*")
     stamp = (out / "grpo-seed0" / "wall_time.json").stat().st_mtime_ns
     ablate.ablate(args)  # finished runs are not run again
     assert (out / "grpo-seed0" / "wall_time.json").stat().st_mtime_ns == stamp
     # the standalone twin: the same options, one thread and one grading process
-    twin = run_cli(*tiny_args, "--method", "cw", "--cw-detach", "--seed", "1", "--steps", "3",
-                   "--save-every", "3", "--threads", "1", "--reward-workers", "1",
-                   "--output-dir", str(tmp_path / "twin"))
+    twin = run_cli(
+        *tiny_args,
+        "--method",
+        "cw",
+        "--cw-detach",
+        "--seed",
+        "1",
+        "--steps",
+        "3",
+        "--save-every",
+        "3",
+        "--threads",
+        "1",
+        "--reward-workers",
+        "1",
+        "--output-dir",
+        str(tmp_path / "twin"),
+    )
     assert twin.returncode == 0, twin.stderr
-    assert read_metrics(tmp_path / "twin" / "metrics.jsonl") == \
-        read_metrics(out / "cw-detached-seed1" / "metrics.jsonl")
+    assert read_metrics(tmp_path / "twin" / "metrics.jsonl") == read_metrics(
+        out / "cw-detached-seed1" / "metrics.jsonl"
+    )
     recorded = json.loads((out / "cw-detached-seed1" / "run_config.json").read_text())
     assert (recorded["torch_threads"], recorded["reward_workers_used"]) == (1, 1)
     with pytest.raises(SystemExit, match="unknown method nope"):
@@ -728,6 +1041,7 @@ def test_ablate_table_holds_the_runs_figures_and_a_run_equals_its_standalone_twi
 
 # ------------------------------------------------------------------------------------- diagnostics
 
+
 def test_concentration_hand_computed():
     # 4 positive scores (10, 3, 2, 1) and 2 negative (-6, -2); zeros belong to neither side
     scores = torch.tensor([1.0, -2.0, 10.0, 0.0, 3.0, -6.0, 2.0])
@@ -735,7 +1049,9 @@ def test_concentration_hand_computed():
     # top 0.01%, 0.1%, 1% of 4 tokens: 1 token; 10%: ceil(0.4) = 1; 100%: all four
     assert result["positive"] == {0.0001: 10.0, 0.001: 10.0, 0.01: 10.0, 0.1: 10.0, 1.0: 4.0}
     assert result["negative"] == {0.0001: -6.0, 0.001: -6.0, 0.01: -6.0, 0.1: -6.0, 1.0: -4.0}
-    many = torch.arange(1.0, 1001.0)  # top 1% of 1000 = the 10 largest: mean 995.5; top 10%: mean 950.5
+    many = torch.arange(
+        1.0, 1001.0
+    )  # top 1% of 1000 = the 10 largest: mean 995.5; top 10%: mean 950.5
     assert diagnose.concentration(many)["positive"][0.01] == 995.5
     assert diagnose.concentration(many)["positive"][0.1] == 950.5
     assert diagnose.concentration(many)["negative"][1.0] == 0.0
@@ -751,7 +1067,9 @@ def test_quantile_masks_partition():
 
 @pytest.fixture(scope="module")
 def scored_rollout(tiny_run, tiny_base):
-    cfg = cwgrpo.parse_config(["--preset", "tiny", "--prompts-per-step", "4", "--groups-per-micro-batch", "2"])
+    cfg = cwgrpo.parse_config(
+        ["--preset", "tiny", "--prompts-per-step", "4", "--groups-per-micro-batch", "2"]
+    )
     tokenizer = cwgrpo.load_tokenizer(str(tiny_run / "final-model"))
     model = cwgrpo.load_model(str(tiny_run / "final-model"), torch.float32, torch.device("cpu"))
     reference = cwgrpo.load_model(str(tiny_base / "model"), torch.float32, torch.device("cpu"))
@@ -774,8 +1092,11 @@ def test_quartile_gradients_sum_to_the_full_gradient(scored_rollout):
 
     def gradient(active):
         model.zero_grad(set_to_none=True)
-        cwgrpo.accumulate_gradients(model, dataclasses.replace(rollout, active=active), cfg, contextlib.nullcontext)
+        cwgrpo.accumulate_gradients(
+            model, dataclasses.replace(rollout, active=active), cfg, contextlib.nullcontext
+        )
         return torch.cat([p.grad.flatten() for p in model.parameters()])
+
     full = gradient(rollout.completion_mask)
     parts = [gradient(q) for q in quartiles]
     model.zero_grad(set_to_none=True)
@@ -791,33 +1112,59 @@ def test_diagnose_rollout_report(scored_rollout):
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(p.grad is None for p in model.parameters())
     assert set(report["full_gradient_norm"]) == {"beta=0", "beta=0.04"}
-    assert sum(q["tokens"] for q in report["quartiles"]) == report["tokens"] == int(rollout.completion_mask.sum())
+    assert (
+        sum(q["tokens"] for q in report["quartiles"])
+        == report["tokens"]
+        == int(rollout.completion_mask.sum())
+    )
     # with beta = 0 the token weight is the advantage alone: the KL part is zero
     valid = rollout.completion_mask.bool()
     prob = cwgrpo.policy_token_stats(model, rollout, cfg)["logp"].exp()[valid]
     adv = rollout.advantages[:, None].expand_as(rollout.completion_mask)[valid]
     for q, mask in zip(report["quartiles"], diagnose.quantile_masks(prob, 4)):
-        assert q["beta=0"]["abs_weight_mean"] == pytest.approx(adv[mask].abs().mean().item(), rel=1e-5)
-    assert any(q["beta=0.04"]["abs_weight_mean"] != q["beta=0"]["abs_weight_mean"] for q in report["quartiles"])
+        assert q["beta=0"]["abs_weight_mean"] == pytest.approx(
+            adv[mask].abs().mean().item(), rel=1e-5
+        )
+    assert any(
+        q["beta=0.04"]["abs_weight_mean"] != q["beta=0"]["abs_weight_mean"]
+        for q in report["quartiles"]
+    )
     assert len(report["cw_weight_by_covariance_decile"]) == 10
 
 
 @pytest.mark.slow
 def test_diagnose_command_and_training_diagnostics(tiny_run, tiny_base, tmp_path, TINY_RUN):
     out = tmp_path / "diag"
-    diagnose.batch(["--preset", "tiny", "--model", str(tiny_run / "final-model"),
-                    "--reference-model", str(tiny_base / "model"), "--diagnostics-dir", str(out),
-                    "--prompts-per-step", "2", "--dataset", str(tiny_base / "arithmetic.jsonl")])
+    diagnose.batch(
+        [
+            "--preset",
+            "tiny",
+            "--model",
+            str(tiny_run / "final-model"),
+            "--reference-model",
+            str(tiny_base / "model"),
+            "--diagnostics-dir",
+            str(out),
+            "--prompts-per-step",
+            "2",
+            "--dataset",
+            str(tiny_base / "arithmetic.jsonl"),
+        ]
+    )
     assert "## Covariance concentration" in (out / "diagnostics.md").read_text()
     assert json.loads((out / "diagnostics.json").read_text())["tokens"] > 0
     # --diagnose-every appends figures without changing the training itself
     run = tmp_path / "run"
     diagnose.train([*TINY_RUN, "--output-dir", str(run), "--every", "2"])
-    assert [json.loads(line)["rollout_step"] for line in (run / "diagnostics.jsonl").read_text().splitlines()] == [2, 4]
+    assert [
+        json.loads(line)["rollout_step"]
+        for line in (run / "diagnostics.jsonl").read_text().splitlines()
+    ] == [2, 4]
     assert read_metrics(run / "metrics.jsonl") == read_metrics(tiny_run / "metrics.jsonl")
 
 
 # ------------------------------------------------------------------------------ the loss, by hand
+
 
 def loss_of(logp, old, ref, adv, weight, cfg_args=(), **terms):
     cfg = method_cfg(*cfg_args)
@@ -840,8 +1187,9 @@ def test_ppo_clipping_holds_the_ratio_within_the_range_on_the_side_of_the_advant
     loss.sum().backward()
     assert logp_grad.grad.item() == 0
     # A < 0: min(-1.25 |A|, -1.2 |A|) = -1.25 |A|, unclipped
-    assert loss_of(logp, old, None, torch.tensor([-2.0]), torch.ones(1, 1)).item() == \
-        pytest.approx(2.5)
+    assert loss_of(logp, old, None, torch.tensor([-2.0]), torch.ones(1, 1)).item() == pytest.approx(
+        2.5
+    )
 
 
 def test_k3_kl_and_weights_on_the_pg_term_only():
@@ -871,11 +1219,18 @@ def test_every_method_gives_a_finite_loss_and_gradient_with_a_group_of_no_valid_
     mask = torch.ones(2 * G, T)
     mask[G:] = 0  # the second group has no valid token
     rollout = cwgrpo.Rollout(
-        prompt_ids=torch.zeros(2 * G, 1, dtype=torch.long), prompt_mask=torch.ones(2 * G, 1),
-        completion_ids=torch.zeros(2 * G, T, dtype=torch.long), completion_mask=mask,
-        truncated=torch.zeros(2 * G, dtype=torch.bool), texts=[""] * 2 * G, golds=[""] * 2 * G,
-        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5] * 2), divergence=torch.rand(2 * G, T) * mask,
-        batch_entropy=torch.rand(G * T).sort().values, ref_logp=logp.detach() - 0.1)
+        prompt_ids=torch.zeros(2 * G, 1, dtype=torch.long),
+        prompt_mask=torch.ones(2 * G, 1),
+        completion_ids=torch.zeros(2 * G, T, dtype=torch.long),
+        completion_mask=mask,
+        truncated=torch.zeros(2 * G, dtype=torch.bool),
+        texts=[""] * 2 * G,
+        golds=[""] * 2 * G,
+        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5] * 2),
+        divergence=torch.rand(2 * G, T) * mask,
+        batch_entropy=torch.rand(G * T).sort().values,
+        ref_logp=logp.detach() - 0.1,
+    )
     cfg = method_cfg("--method", method, "--group-size", str(G))
     old = logp.detach() * mask
     terms = cwgrpo.micro_batch_terms(logp, old, torch.rand(2 * G, T), rollout, cfg, 0)
@@ -889,6 +1244,7 @@ def test_every_method_gives_a_finite_loss_and_gradient_with_a_group_of_no_valid_
 
 # ----------------------------------------------------------------------- sampling as configured
 
+
 @pytest.mark.slow
 def test_sampling_ignores_the_generation_config_the_model_ships(tiny_base):
     """A model's generation_config.json (Qwen2.5 Instruct ships repetition_penalty, top_k, top_p)
@@ -900,6 +1256,7 @@ def test_sampling_ignores_the_generation_config_the_model_ships(tiny_base):
     def completions():
         torch.manual_seed(0)
         return cwgrpo.generate_completions(model, tokenizer, prompts, 4, 1.0, 1.0, 0, 12, None)[2]
+
     plain = completions()
     shipped = model.generation_config
     shipped.repetition_penalty, shipped.top_k, shipped.top_p = 5.0, 1, 0.5
@@ -916,7 +1273,8 @@ def test_total_length_limit_caps_prompt_plus_completion(tiny_base):
     prompts = [cwgrpo.chat_prompt_ids(tokenizer, q, "") for q in ("1+2", "1+2" * 4)]
     torch.manual_seed(0)
     _, prompt_mask, _, mask, truncated, texts = cwgrpo.generate_completions(
-        model, tokenizer, prompts, 3, 1.0, 1.0, 0, 40, len(prompts[1]) + 6)
+        model, tokenizer, prompts, 3, 1.0, 1.0, 0, 40, len(prompts[1]) + 6
+    )
     totals = prompt_mask.sum(1) + mask.sum(1)
     assert (totals <= len(prompts[1]) + 6).all()
     assert truncated[3:].all() and (mask[3:].sum(1) == 6).all()  # the long prompt: 6 tokens left
@@ -927,6 +1285,7 @@ def test_math_verify_cutoffs_are_counted():
     counter = cwgrpo.LogCounter.installed("math_verify", "Timeout during")
     before = counter.count
     import logging
+
     logging.getLogger("math_verify.parser").warning("Timeout during parsing: 9^9^9")
     logging.getLogger("math_verify.grader").warning("Timeout during comparison")
     logging.getLogger("math_verify.grader").warning("something else")
@@ -934,6 +1293,7 @@ def test_math_verify_cutoffs_are_counted():
 
 
 # ------------------------------------------------------------------------- runs and processes
+
 
 def children_of(pid: int) -> list[int]:
     found = []
@@ -952,9 +1312,21 @@ def alive(pid: int) -> bool:
 @pytest.mark.slow
 def test_live_run_locks_its_folder_and_kill_9_frees_it_and_its_workers(tmp_path, tiny_args):
     out = tmp_path / "run"
-    first = subprocess.Popen([sys.executable, str(HERE / "cwgrpo.py"), *tiny_args, "--steps",
-                              "500", "--reward-workers", "2", "--output-dir", str(out)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = subprocess.Popen(
+        [
+            sys.executable,
+            str(HERE / "cwgrpo.py"),
+            *tiny_args,
+            "--steps",
+            "500",
+            "--reward-workers",
+            "2",
+            "--output-dir",
+            str(out),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.time() + 120
         while not (out / "metrics.jsonl").exists() and time.time() < deadline:
@@ -965,7 +1337,8 @@ def test_live_run_locks_its_folder_and_kill_9_frees_it_and_its_workers(tmp_path,
         assert second.returncode != 0 and "Traceback" not in second.stderr
         assert second.stderr.strip().splitlines() == [
             f"error: {out} is in use by a live run (pid {first.pid}); wait for it or stop it, or "
-            f"choose another --output-dir"]
+            f"choose another --output-dir"
+        ]
     finally:
         first.kill()
         first.wait()
@@ -975,16 +1348,29 @@ def test_live_run_locks_its_folder_and_kill_9_frees_it_and_its_workers(tmp_path,
     assert not any(alive(w) for w in workers)  # the grading workers died with their parent
     shutil.rmtree(out / "checkpoint-50", ignore_errors=True)
     (out / "metrics.jsonl").write_text("")
-    resumed = run_cli(*tiny_args, "--output-dir", str(out), "--overwrite-output-dir", "--steps", "1")
+    resumed = run_cli(
+        *tiny_args, "--output-dir", str(out), "--overwrite-output-dir", "--steps", "1"
+    )
     assert resumed.returncode == 0, resumed.stderr  # the dead run's lock does not block
 
 
 @pytest.mark.slow
 def test_ctrl_c_checkpoints_the_step_and_prints_the_resume_command(tmp_path, tiny_args):
     out = tmp_path / "run"
-    run = subprocess.Popen([sys.executable, str(HERE / "cwgrpo.py"), *tiny_args, "--steps", "500",
-                            "--output-dir", str(out)], stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
+    run = subprocess.Popen(
+        [
+            sys.executable,
+            str(HERE / "cwgrpo.py"),
+            *tiny_args,
+            "--steps",
+            "500",
+            "--output-dir",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.time() + 120
         while not (out / "metrics.jsonl").exists() and time.time() < deadline:
@@ -996,22 +1382,41 @@ def test_ctrl_c_checkpoints_the_step_and_prints_the_resume_command(tmp_path, tin
     assert run.returncode != 0 and "Traceback" not in stderr
     steps = len((out / "metrics.jsonl").read_text().splitlines())
     assert (out / f"checkpoint-{steps}" / "trainer_state.pt").is_file()
-    assert f"stopped after step {steps} (saved checkpoint-{steps}); resume with: python " \
-        f"cwgrpo.py" in stderr and stderr.rstrip().endswith("--resume")
+    assert (
+        f"stopped after step {steps} (saved checkpoint-{steps}); resume with: python cwgrpo.py"
+        in stderr
+        and stderr.rstrip().endswith("--resume")
+    )
 
 
 # ------------------------------------------------------------------------ evaluation resumption
 
+
 @pytest.mark.slow
 def test_evaluation_never_reuses_samples_made_with_other_settings(tiny_run, tmp_path):
     bench = tmp_path / "arith.jsonl"
-    bench.write_text("".join(json.dumps({"problem": f"{a}+{a}", "answer": str(2 * a)}) + "\n"
-                             for a in range(3)))
+    bench.write_text(
+        "".join(json.dumps({"problem": f"{a}+{a}", "answer": str(2 * a)}) + "\n" for a in range(3))
+    )
     out = tmp_path / "eval"
-    args = ["--model", str(tiny_run / "final-model"), "--benchmarks", str(bench), "--gold-format",
-            "expr", "--n", "2", "--max-new-tokens", "8", "--output-dir", str(out)]
+    args = [
+        "--model",
+        str(tiny_run / "final-model"),
+        "--benchmarks",
+        str(bench),
+        "--gold-format",
+        "expr",
+        "--n",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--output-dir",
+        str(out),
+    ]
     evaluate.main(args)
-    with pytest.raises(SystemExit, match=r"made with other settings \(n differ\); pass --overwrite"):
+    with pytest.raises(
+        SystemExit, match=r"made with other settings \(n differ\); pass --overwrite"
+    ):
         evaluate.main([*args, "--n", "4"])
     with pytest.raises(SystemExit, match=r"\(model, weights differ\)"):
         evaluate.main([*args[2:], "--model", str(tiny_run / "checkpoint-2")])
@@ -1022,18 +1427,33 @@ def test_evaluation_never_reuses_samples_made_with_other_settings(tiny_run, tmp_
 
 
 def test_default_evaluation_folders_differ_for_models_of_the_same_name():
-    folders = [evaluate.default_output_dir(m) for m in (
-        "runs/a/final-model", "runs/b/final-model", "./runs/a/final-model/", "/tmp/a/final-model",
-        "Qwen/Qwen2.5-Math-7B-Instruct", "runs/x/checkpoint-*")]
-    assert folders == [Path("eval/runs-a-final-model"), Path("eval/runs-b-final-model"),
-                       Path("eval/runs-a-final-model"), Path("eval/tmp-a-final-model"),
-                       Path("eval/Qwen-Qwen2.5-Math-7B-Instruct"), Path("eval/runs-x-checkpoint")]
+    folders = [
+        evaluate.default_output_dir(m)
+        for m in (
+            "runs/a/final-model",
+            "runs/b/final-model",
+            "./runs/a/final-model/",
+            "/tmp/a/final-model",
+            "Qwen/Qwen2.5-Math-7B-Instruct",
+            "runs/x/checkpoint-*",
+        )
+    ]
+    assert folders == [
+        Path("eval/runs-a-final-model"),
+        Path("eval/runs-b-final-model"),
+        Path("eval/runs-a-final-model"),
+        Path("eval/tmp-a-final-model"),
+        Path("eval/Qwen-Qwen2.5-Math-7B-Instruct"),
+        Path("eval/runs-x-checkpoint"),
+    ]
 
 
 # --------------------------------------------------------------------------- what a run leaves
 
+
 class PageParser(HTMLParser):
     """Checks that every tag is closed in order, and collects each view's token spans."""
+
     VOID = {"meta", "br", "img", "input", "link"}
 
     def __init__(self):
@@ -1080,8 +1500,15 @@ def test_a_run_leaves_its_curves_and_a_valid_small_token_page(tiny_run):
 
 def test_token_page_escapes_model_output(tmp_path):
     hostile = ["</script><script>alert(1)</script>", "<b>", "&amp;", '"q"']
-    view = {"label": "step 1", "tokens": [hostile], "prob": [[0.5] * 4], "cov": [[0.0] * 4],
-            "adv": [1.0], "weights": {"grpo": [[1.0] * 4]}, "touched": {"grpo": [[0] * 4]}}
+    view = {
+        "label": "step 1",
+        "tokens": [hostile],
+        "prob": [[0.5] * 4],
+        "cov": [[0.0] * 4],
+        "adv": [1.0],
+        "weights": {"grpo": [[1.0] * 4]},
+        "touched": {"grpo": [[0] * 4]},
+    }
     plots.token_page(tmp_path / "t.html", "t", "grpo", {"grpo": "GRPO"}, [view])
     page = (tmp_path / "t.html").read_text()
     assert "<b>" not in page and "alert(1)</script>" not in page
@@ -1096,8 +1523,9 @@ def test_token_view_weights_are_the_methods_weights(tiny_base):
     model = cwgrpo.load_model(str(tiny_base / "model"), torch.float32, torch.device("cpu"))
     tokenizer = cwgrpo.load_tokenizer(str(tiny_base / "model"))
     torch.manual_seed(0)
-    rollout = cwgrpo.sample(model, tokenizer, [(cwgrpo.chat_prompt_ids(tokenizer, "3+4", ""),
-                                                "\\boxed{7}")], cfg)
+    rollout = cwgrpo.sample(
+        model, tokenizer, [(cwgrpo.chat_prompt_ids(tokenizer, "3+4", ""), "\\boxed{7}")], cfg
+    )
     rollout.advantages = torch.randn(cfg.group_size, generator=torch.Generator().manual_seed(1))
     rng = torch.get_rng_state()
     view = cwgrpo.token_view(model, tokenizer, rollout, cfg, "step 1")
@@ -1121,17 +1549,25 @@ def test_a_run_says_what_it_does_and_what_it_did(tiny_args, tmp_path):
     lines = out.stdout.splitlines()
     assert lines[0] == f"cwgrpo: --method cw on {tiny_args[3]}, data {tiny_args[5]}"
     assert lines[1].startswith("  8 prompts x G = 8 per step, 2 steps, beta 0.04")
-    summary = lines[lines.index(next(x for x in lines if x.startswith("done in "))):]
-    assert [x.split()[0] for x in summary[1:6]] == ["reward", "accuracy", "format", "entropy",
-                                                    "kl"]
+    summary = lines[lines.index(next(x for x in lines if x.startswith("done in "))) :]
+    assert [x.split()[0] for x in summary[1:6]] == ["reward", "accuracy", "format", "entropy", "kl"]
     assert summary[-1].startswith(f"evaluate it: python evaluate.py --model {tmp_path}")
 
 
 @pytest.mark.slow
 def test_import_cwgrpo_loads_no_plotting_library():
-    out = subprocess.run([sys.executable, "-c", "import sys, cwgrpo; "
-                          "print(sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib'))"],
-                         capture_output=True, text=True, cwd=HERE, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, cwgrpo; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib'))",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=HERE,
+        timeout=120,
+    )
     assert out.stdout.strip() == "[]", out.stderr
 
 
@@ -1144,14 +1580,21 @@ def test_sampling_loop_with_a_kv_cache_matches_greedy_generate(tiny_base, top_p,
     tokenizer = cwgrpo.load_tokenizer(str(tiny_base / "model"))
     prompts = [cwgrpo.chat_prompt_ids(tokenizer, q, "") for q in ("1+2", "12+30", "5+5")]
     prompt_ids, prompt_mask, ids, mask, _, _ = cwgrpo.generate_completions(
-        model, tokenizer, prompts, 2, 0.7, top_p, top_k, 16, None)
-    reference = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=False,
-                               max_new_tokens=16, pad_token_id=tokenizer.pad_token_id,
-                               eos_token_id=tokenizer.eos_token_id)[:, prompt_ids.shape[1]:]
+        model, tokenizer, prompts, 2, 0.7, top_p, top_k, 16, None
+    )
+    reference = model.generate(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        do_sample=False,
+        max_new_tokens=16,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )[:, prompt_ids.shape[1] :]
     reference_mask, _ = cwgrpo.completion_mask_after_eos(
-        reference, [tokenizer.eos_token_id], torch.full((len(reference),), reference.shape[1]))
-    assert torch.equal(mask, reference_mask[:, :mask.shape[1]])
-    assert torch.equal(ids * mask.long(), (reference * reference_mask.long())[:, :ids.shape[1]])
+        reference, [tokenizer.eos_token_id], torch.full((len(reference),), reference.shape[1])
+    )
+    assert torch.equal(mask, reference_mask[:, : mask.shape[1]])
+    assert torch.equal(ids * mask.long(), (reference * reference_mask.long())[:, : ids.shape[1]])
 
 
 @pytest.mark.slow
@@ -1172,9 +1615,17 @@ def test_sampled_tokens_follow_the_configured_distribution(tiny_base, temperatur
         kept[order[before < top_p]] = True
     expected = probs * kept / (probs * kept).sum()
     torch.manual_seed(0)
-    drawn = cwgrpo.sample_tokens(model, prompt.repeat(8000, 1), torch.ones(8000, prompt.shape[1]),
-                                 1, temperature, top_p, top_k, [tokenizer.eos_token_id],
-                                 tokenizer.pad_token_id)[:, 0]
+    drawn = cwgrpo.sample_tokens(
+        model,
+        prompt.repeat(8000, 1),
+        torch.ones(8000, prompt.shape[1]),
+        1,
+        temperature,
+        top_p,
+        top_k,
+        [tokenizer.eos_token_id],
+        tokenizer.pad_token_id,
+    )[:, 0]
     frequency = torch.bincount(drawn, minlength=len(probs)).float() / 8000
     assert (frequency[~kept] == 0).all()
     assert (frequency - expected).abs().max() < 0.02
@@ -1185,8 +1636,12 @@ def test_cw_gradient_only_control_is_grpo_plus_the_gradient_through_the_weights(
     GRPO's loss, and a gradient that exceeds GRPO's by exactly what released exceeds detached by."""
     logp, adv, mask = random_group(3, G=6, T=12)
     grads, losses = {}, {}
-    for name, args in {"grpo": ("--method", "grpo"), "released": (),
-                       "detached": ("--cw-detach",), "control": ("--cw-reading", "gradient-only")}.items():
+    for name, args in {
+        "grpo": ("--method", "grpo"),
+        "released": (),
+        "detached": ("--cw-detach",),
+        "control": ("--cw-reading", "gradient-only"),
+    }.items():
         cfg = method_cfg(*args)
         leaf = logp.clone().requires_grad_(True)
         terms = cwgrpo.METHODS[cfg.method].token_terms(make_group(leaf, adv, mask), cfg)
@@ -1196,8 +1651,12 @@ def test_cw_gradient_only_control_is_grpo_plus_the_gradient_through_the_weights(
         grads[name] = leaf.grad
     assert losses["control"].item() == losses["grpo"].item()
     assert not torch.allclose(grads["control"], grads["grpo"])
-    torch.testing.assert_close(grads["control"] - grads["grpo"],
-                               grads["released"] - grads["detached"], rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(
+        grads["control"] - grads["grpo"],
+        grads["released"] - grads["detached"],
+        rtol=1e-4,
+        atol=1e-7,
+    )
 
 
 @pytest.mark.slow
@@ -1210,23 +1669,56 @@ def test_the_paper_recipe_code_path_runs_and_resumes_on_cpu(tmp_path, tiny_base)
     prompt lengths (byte tokens are about four times Qwen's: --max-prompt-length 1024), and 16
     new tokens (--length-limit new)."""
     tokenizer = cwgrpo.load_tokenizer(str(tiny_base / "model"))
-    config = tiny.Qwen2Config(vocab_size=len(tokenizer), hidden_size=1536, intermediate_size=1536,
-                              num_hidden_layers=2, num_attention_heads=12, num_key_value_heads=2,
-                              max_position_embeddings=2048, tie_word_embeddings=False,
-                              eos_token_id=tokenizer.eos_token_id,
-                              pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    config = tiny.Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=1536,
+        intermediate_size=1536,
+        num_hidden_layers=2,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
     torch.manual_seed(0)
     model = tiny.Qwen2ForCausalLM(config)
     assert model.get_output_embeddings().weight is not model.get_input_embeddings().weight
     cwgrpo.save_checkpoint(tmp_path, "qwen-1.5b-shaped", model, tokenizer)
-    args = ["--preset", "paper-1.5b", "--device", "cpu", "--model", str(tmp_path / "qwen-1.5b-shaped"),
-            "--dataset", str(tiny_base / "arithmetic.jsonl"), "--prompts-per-step", "2",
-            "--group-size", "4", "--max-prompt-length", "1024", "--length-limit", "new",
-            "--max-completion-length", "16", "--steps", "2", "--save-every", "1",
-            "--output-dir", str(tmp_path / "run")]
+    args = [
+        "--preset",
+        "paper-1.5b",
+        "--device",
+        "cpu",
+        "--model",
+        str(tmp_path / "qwen-1.5b-shaped"),
+        "--dataset",
+        str(tiny_base / "arithmetic.jsonl"),
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "4",
+        "--max-prompt-length",
+        "1024",
+        "--length-limit",
+        "new",
+        "--max-completion-length",
+        "16",
+        "--steps",
+        "2",
+        "--save-every",
+        "1",
+        "--output-dir",
+        str(tmp_path / "run"),
+    ]
     cfg = cwgrpo.parse_config(args)
-    assert (cfg.gradient_checkpointing, cfg.beta, cfg.method, cfg.system_prompt) == \
-        (True, 0.04, "cw", cwgrpo.OPEN_RS_SYSTEM_PROMPT)
+    assert (cfg.gradient_checkpointing, cfg.beta, cfg.method, cfg.system_prompt) == (
+        True,
+        0.04,
+        "cw",
+        cwgrpo.OPEN_RS_SYSTEM_PROMPT,
+    )
     cwgrpo.train(cfg)
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]

@@ -14,6 +14,7 @@ import torch
 core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
 from omegaconf import OmegaConf  # noqa: E402
 from verl.utils.config import omega_conf_to_dataclass  # noqa: E402
+
 import cwgrpo  # noqa: E402
 import cwgrpo_verl  # noqa: E402
 
@@ -23,11 +24,19 @@ HERE = Path(__file__).parent
 def verl_config(**policy_loss):
     """verl's own actor config, built as verl builds it from its YAML: through OmegaConf into
     FSDPActorConfig, so every setting a loss reads has verl's real default unless given here."""
-    return omega_conf_to_dataclass(OmegaConf.create({
-        "_target_": "verl.workers.config.FSDPActorConfig", "strategy": "fsdp",
-        "ppo_mini_batch_size": 12, "ppo_micro_batch_size_per_gpu": 12, "use_dynamic_bsz": False,
-        "rollout_n": 12, "policy_loss": {"_target_": "verl.workers.config.PolicyLossConfig",
-                                         **policy_loss}}))
+    return omega_conf_to_dataclass(
+        OmegaConf.create(
+            {
+                "_target_": "verl.workers.config.FSDPActorConfig",
+                "strategy": "fsdp",
+                "ppo_mini_batch_size": 12,
+                "ppo_micro_batch_size_per_gpu": 12,
+                "use_dynamic_bsz": False,
+                "rollout_n": 12,
+                "policy_loss": {"_target_": "verl.workers.config.PolicyLossConfig", **policy_loss},
+            }
+        )
+    )
 
 
 def tensors(seed: int, rows: int = 6, length: int = 40):
@@ -53,11 +62,18 @@ def test_every_name_resolves_through_verls_registry():
 
 
 def test_verl_loads_the_module_through_its_external_module_hook():
-    code = ("import verl; from verl.trainer.ppo.core_algos import get_policy_loss_fn; "
-            "print(get_policy_loss_fn('cw').__name__)")
-    env = {**os.environ, "VERL_USE_EXTERNAL_MODULES": "cwgrpo_verl",
-           "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    code = (
+        "import verl; from verl.trainer.ppo.core_algos import get_policy_loss_fn; "
+        "print(get_policy_loss_fn('cw').__name__)"
+    )
+    env = {
+        **os.environ,
+        "VERL_USE_EXTERNAL_MODULES": "cwgrpo_verl",
+        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "cwgrpo_cw_policy_loss" in out.stdout
 
@@ -68,9 +84,15 @@ def test_registered_loss_equals_cwgrpos_loss_path(name, mode):
     old, logp, advantages, mask = tensors(0)
     method, overrides = cwgrpo_verl.VERL_METHODS[name]
     torch.manual_seed(1)
-    verl_loss, verl_grad, metrics = loss_and_grad(core_algos.get_policy_loss_fn(name), logp, advantages, mask, old=old,
-                                                  loss_agg_mode=mode, config=verl_config(
-                                                      kl_cov_ratio=0.002, ppo_kl_coef=1.0))
+    verl_loss, verl_grad, metrics = loss_and_grad(
+        core_algos.get_policy_loss_fn(name),
+        logp,
+        advantages,
+        mask,
+        old=old,
+        loss_agg_mode=mode,
+        config=verl_config(kl_cov_ratio=0.002, ppo_kl_coef=1.0),
+    )
     assert "actor/cwgrpo_w_mean" in metrics
     # with Cui et al.'s kl_cov settings set in verl's config, as the README's command does, the
     # registered loss is cwgrpo's with its own defaults
@@ -79,9 +101,16 @@ def test_registered_loss_equals_cwgrpos_loss_path(name, mode):
     ours = logp.clone().requires_grad_(True)
     adv = advantages[:, 0]
     torch.manual_seed(1)
-    group = cwgrpo.Group(logp=ours, old_logp=old, advantages=adv, mask=mask,
-                         entropy=torch.zeros_like(ours), batch_entropy=None, divergence=None,
-                         update_pass=0)
+    group = cwgrpo.Group(
+        logp=ours,
+        old_logp=old,
+        advantages=adv,
+        mask=mask,
+        entropy=torch.zeros_like(ours),
+        batch_entropy=None,
+        divergence=None,
+        update_pass=0,
+    )
     terms = cwgrpo.METHODS[method].token_terms(group, cfg)
     per_token = cwgrpo.token_loss(ours, old, None, adv, terms, cfg)
     loss = cwgrpo.aggregate(per_token, mask, mode, len(mask), int(mask.sum()))
@@ -97,8 +126,17 @@ def test_clip_cov_agrees_with_verls_clip_cov():
     results = []
     for name in ("clip_cov", "cwgrpo_clip_cov"):
         torch.manual_seed(3)  # both draw their random choice from torch's global generator
-        results.append(loss_and_grad(core_algos.get_policy_loss_fn(name), logp, advantages, mask, old=old,
-                                     loss_agg_mode="token-mean", config=config))
+        results.append(
+            loss_and_grad(
+                core_algos.get_policy_loss_fn(name),
+                logp,
+                advantages,
+                mask,
+                old=old,
+                loss_agg_mode="token-mean",
+                config=config,
+            )
+        )
     (verl_loss, verl_grad, _), (our_loss, our_grad, metrics) = results
     assert metrics["actor/cwgrpo_touched_frac"] > 0
     torch.testing.assert_close(our_loss, verl_loss)
@@ -109,8 +147,17 @@ def test_kl_cov_agrees_with_verls_kl_cov_and_the_default_ratio_differs():
     old, logp, advantages, mask = tensors(4, rows=8, length=300)
     config = verl_config(kl_cov_ratio=0.002)
     (verl_loss, verl_grad, _), (our_loss, our_grad, _) = [
-        loss_and_grad(core_algos.get_policy_loss_fn(name), logp, advantages, mask, old=old, loss_agg_mode="token-mean",
-                      config=config) for name in ("kl_cov", "cwgrpo_kl_cov")]
+        loss_and_grad(
+            core_algos.get_policy_loss_fn(name),
+            logp,
+            advantages,
+            mask,
+            old=old,
+            loss_agg_mode="token-mean",
+            config=config,
+        )
+        for name in ("kl_cov", "cwgrpo_kl_cov")
+    ]
     torch.testing.assert_close(our_loss, verl_loss)
     torch.testing.assert_close(our_grad, verl_grad)
     # verl's config always fills kl_cov_ratio and ppo_kl_coef (2e-4 and 0.1), and cwgrpo_kl_cov
@@ -120,9 +167,18 @@ def test_kl_cov_agrees_with_verls_kl_cov_and_the_default_ratio_differs():
     assert (defaults.policy_loss.kl_cov_ratio, defaults.policy_loss.ppo_kl_coef) == (2e-4, 0.1)
     for settings, ratio in (({}, 2e-4), ({"kl_cov_ratio": 0.002, "ppo_kl_coef": 1.0}, 2e-3)):
         config = verl_config(**settings)
-        results = [loss_and_grad(core_algos.get_policy_loss_fn(name), logp, advantages, mask,
-                                 old=old, loss_agg_mode="token-mean", config=config)
-                   for name in ("kl_cov", "cwgrpo_kl_cov")]
+        results = [
+            loss_and_grad(
+                core_algos.get_policy_loss_fn(name),
+                logp,
+                advantages,
+                mask,
+                old=old,
+                loss_agg_mode="token-mean",
+                config=config,
+            )
+            for name in ("kl_cov", "cwgrpo_kl_cov")
+        ]
         torch.testing.assert_close(results[1][0], results[0][0])
         penalised = results[1][2]["actor/cwgrpo_touched_frac"] * n_valid
         assert penalised == pytest.approx(max(1, int(ratio * n_valid)))
@@ -130,13 +186,29 @@ def test_kl_cov_agrees_with_verls_kl_cov_and_the_default_ratio_differs():
 
 def test_converter_and_reward_in_verls_formats(tmp_path):
     data = tmp_path / "open-rs-sample.jsonl"
-    data.write_text('{"problem": "What is 1/2 + 1/4?", "solution": "It is $\\\\boxed{\\\\frac{3}{4}}$.", "level": 1}\n')
+    data.write_text(
+        '{"problem": "What is 1/2 + 1/4?", "solution": "It is $\\\\boxed{\\\\frac{3}{4}}$.", "level": 1}\n'
+    )
     path = cwgrpo_verl.convert(str(data), str(tmp_path / "verl"))
     import pandas
+
     row = pandas.read_parquet(path).iloc[0]
-    assert [m["role"] for m in row["prompt"]] == ["system", "user"] and row["prompt"][1]["content"] == "What is 1/2 + 1/4?"
-    assert row["reward_model"]["style"] == "rule" and "frac{3}{4}" in row["reward_model"]["ground_truth"]
+    assert [m["role"] for m in row["prompt"]] == ["system", "user"] and row["prompt"][1][
+        "content"
+    ] == "What is 1/2 + 1/4?"
+    assert (
+        row["reward_model"]["style"] == "rule"
+        and "frac{3}{4}" in row["reward_model"]["ground_truth"]
+    )
     good = "<think>\nadd\n</think>\n<answer>\\boxed{0.75}</answer>"
     assert cwgrpo_verl.compute_score("open-rs", good, row["reward_model"]["ground_truth"]) == 2.0
-    assert cwgrpo_verl.compute_score("open-rs", good, row["reward_model"]["ground_truth"], {"format_weight": 0}) == 1.0
-    assert cwgrpo_verl.compute_score("open-rs", "\\boxed{1}", row["reward_model"]["ground_truth"]) == 0.0
+    assert (
+        cwgrpo_verl.compute_score(
+            "open-rs", good, row["reward_model"]["ground_truth"], {"format_weight": 0}
+        )
+        == 1.0
+    )
+    assert (
+        cwgrpo_verl.compute_score("open-rs", "\\boxed{1}", row["reward_model"]["ground_truth"])
+        == 0.0
+    )

@@ -24,7 +24,8 @@ import cwgrpo
 
 CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 @dataclass
@@ -40,10 +41,16 @@ class TinyConfig:
 def byte_level_qwen2_tokenizer() -> Qwen2Tokenizer:
     """Qwen2's byte-level BPE with no merges: 256 byte tokens plus the ChatML specials."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
+
     vocab = {char: byte for byte, char in bytes_to_unicode().items()}
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], eos_token="<|im_end|>",
-                               pad_token="<|endoftext|>", unk_token=None,
-                               additional_special_tokens=["<|im_start|>"])
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[],
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        additional_special_tokens=["<|im_start|>"],
+    )
     tokenizer.chat_template = CHATML_TEMPLATE
     tokenizer.padding_side = "left"
     return tokenizer
@@ -51,11 +58,19 @@ def byte_level_qwen2_tokenizer() -> Qwen2Tokenizer:
 
 def tiny_qwen2(tokenizer, seed: int) -> Qwen2ForCausalLM:
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=192,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=128, tie_word_embeddings=True,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=None)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
     model = Qwen2ForCausalLM(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model
@@ -65,8 +80,12 @@ def arithmetic_dataset(seed: int, n: int = 2000, max_operand: int = 3) -> datase
     """Two-number sums; the gold is written in \\boxed{} like a MATH solution."""
     rng = random.Random(seed)
     pairs = [(rng.randint(0, max_operand), rng.randint(0, max_operand)) for _ in range(n)]
-    return datasets.Dataset.from_dict({"problem": [f"{a}+{b}" for a, b in pairs],
-                                       "solution": [f"\\boxed{{{a + b}}}" for a, b in pairs]})
+    return datasets.Dataset.from_dict(
+        {
+            "problem": [f"{a}+{b}" for a, b in pairs],
+            "solution": [f"\\boxed{{{a + b}}}" for a, b in pairs],
+        }
+    )
 
 
 def warmstart_targets(question: str) -> list[str]:
@@ -91,26 +110,45 @@ def warm_start(model, tokenizer, questions: list[str], steps: int) -> None:
     for _ in tqdm(range(steps), desc="warm-start"):
         batch = random.sample(examples, 32)
         width = max(len(ids) for ids, _ in batch)
-        input_ids = torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids))
-                                  for ids, _ in batch])
-        labels = torch.tensor([[-100] * n + ids[n:] + [-100] * (width - len(ids))
-                               for ids, n in batch])
+        input_ids = torch.tensor(
+            [ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids, _ in batch]
+        )
+        labels = torch.tensor(
+            [[-100] * n + ids[n:] + [-100] * (width - len(ids)) for ids, n in batch]
+        )
         model(input_ids=input_ids, labels=labels).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
 
 
-def build(output_dir: str = "runs/tiny-base", seed: int = 0, warmstart_steps: int = 250,
-          examples: int = 2000, max_operand: int = 3, overwrite: bool = False) -> Path:
+def build(
+    output_dir: str = "runs/tiny-base",
+    seed: int = 0,
+    warmstart_steps: int = 250,
+    examples: int = 2000,
+    max_operand: int = 3,
+    overwrite: bool = False,
+) -> Path:
     """Writes <output_dir>/arithmetic.jsonl and the warm-started <output_dir>/model; returns the
     folder. A folder that already holds a model built with the same settings and task is left as
     it is unless overwrite; any other is rebuilt."""
-    out, settings = Path(output_dir), {"seed": seed, "warmstart_steps": warmstart_steps,
-                                        "examples": examples, "max_operand": max_operand,
-                                        "targets": warmstart_targets("2+3")}
+    out, settings = (
+        Path(output_dir),
+        {
+            "seed": seed,
+            "warmstart_steps": warmstart_steps,
+            "examples": examples,
+            "max_operand": max_operand,
+            "targets": warmstart_targets("2+3"),
+        },
+    )
     made_with = out / "tiny.json"
-    if (out / "model" / "config.json").is_file() and not overwrite and made_with.is_file() and \
-            json.loads(made_with.read_text()) == settings:
+    if (
+        (out / "model" / "config.json").is_file()
+        and not overwrite
+        and made_with.is_file()
+        and json.loads(made_with.read_text()) == settings
+    ):
         return out  # built already, with these settings and this task
     out.mkdir(parents=True, exist_ok=True)
     data = arithmetic_dataset(seed, examples, max_operand)
@@ -127,10 +165,19 @@ def build(output_dir: str = "runs/tiny-base", seed: int = 0, warmstart_steps: in
 
 
 if __name__ == "__main__":
-    (tcfg,) = HfArgumentParser(TinyConfig, description=__doc__.split("\n\n")[0]) \
-        .parse_args_into_dataclasses()
+    (tcfg,) = HfArgumentParser(
+        TinyConfig, description=__doc__.split("\n\n")[0]
+    ).parse_args_into_dataclasses()
     print(f"building the tiny preset's model and data in {tcfg.output_dir} ...", flush=True)
-    out = build(tcfg.output_dir, tcfg.seed, tcfg.warmstart_steps, tcfg.examples, tcfg.max_operand,
-                tcfg.overwrite)
-    print(f"done: {out / 'model'} and {out / 'arithmetic.jsonl'}; now run "
-          f"python cwgrpo.py --method cw --preset tiny")
+    out = build(
+        tcfg.output_dir,
+        tcfg.seed,
+        tcfg.warmstart_steps,
+        tcfg.examples,
+        tcfg.max_operand,
+        tcfg.overwrite,
+    )
+    print(
+        f"done: {out / 'model'} and {out / 'arithmetic.jsonl'}; now run "
+        f"python cwgrpo.py --method cw --preset tiny"
+    )

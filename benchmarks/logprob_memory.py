@@ -48,9 +48,17 @@ def run_one(path: str, args, out: Path) -> None:
     (logp * upstream).sum().backward()
     seconds = time.perf_counter() - start
     projection = torch.randn(args.hidden, generator=torch.Generator().manual_seed(1))
-    torch.save({"peak_mib": peak_rss_mib() - start_mib, "seconds": seconds, "logp": logp.detach(),
-                "entropy": entropy, "hidden_grad": hidden.grad, "weight_grad_projection": weight.grad @ projection},
-               out)
+    torch.save(
+        {
+            "peak_mib": peak_rss_mib() - start_mib,
+            "seconds": seconds,
+            "logp": logp.detach(),
+            "entropy": entropy,
+            "hidden_grad": hidden.grad,
+            "weight_grad_projection": weight.grad @ projection,
+        },
+        out,
+    )
 
 
 def main() -> None:
@@ -66,23 +74,36 @@ def main() -> None:
     if args.path:
         return run_one(args.path, args, Path(args.out))
 
-    print(f"vocab {args.vocab}, hidden {args.hidden}, {args.completions} completions x {args.tokens} tokens, "
-          f"chunks of {args.chunk_elements} logits ({max(1, args.chunk_elements // args.vocab)} positions)")
+    print(
+        f"vocab {args.vocab}, hidden {args.hidden}, {args.completions} completions x {args.tokens} tokens, "
+        f"chunks of {args.chunk_elements} logits ({max(1, args.chunk_elements // args.vocab)} positions)"
+    )
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for path in ("direct", "chunked"):
             out = Path(tmp) / f"{path}.pt"
-            subprocess.run([sys.executable, __file__, *sys.argv[1:], "--path", path, "--out", str(out)], check=True)
+            subprocess.run(
+                [sys.executable, __file__, *sys.argv[1:], "--path", path, "--out", str(out)],
+                check=True,
+            )
             results[path] = torch.load(out)
-            print(f"{path:8s} peak +{results[path]['peak_mib']:8.0f} MiB   {results[path]['seconds']:6.2f} s")
+            print(
+                f"{path:8s} peak +{results[path]['peak_mib']:8.0f} MiB   {results[path]['seconds']:6.2f} s"
+            )
     direct, chunked = results["direct"], results["chunked"]
     for key in ("logp", "entropy", "hidden_grad", "weight_grad_projection"):
         difference = (direct[key] - chunked[key]).abs().max().item()
-        print(f"max |direct - chunked| of {key}: {difference:.2e} (largest value {direct[key].abs().max().item():.3g})")
+        print(
+            f"max |direct - chunked| of {key}: {difference:.2e} (largest value {direct[key].abs().max().item():.3g})"
+        )
         scale = direct[key].abs().max().item()
-        assert difference <= 1e-5 * max(1.0, scale), f"{key} differs by {difference} (scale {scale})"
+        assert difference <= 1e-5 * max(1.0, scale), (
+            f"{key} differs by {difference} (scale {scale})"
+        )
     ratio = chunked["peak_mib"] / direct["peak_mib"]
-    print(f"chunked / direct peak memory: {ratio:.3f} (goal <= 0.25: {'met' if ratio <= 0.25 else 'NOT met'})")
+    print(
+        f"chunked / direct peak memory: {ratio:.3f} (goal <= 0.25: {'met' if ratio <= 0.25 else 'NOT met'})"
+    )
 
 
 if __name__ == "__main__":

@@ -38,7 +38,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--vocab", type=int, default=151_936)
     parser.add_argument("--hidden", type=int, default=1_536)
-    parser.add_argument("--ict-tokens", type=int, default=64, help="positions per response for ict's divergence")
+    parser.add_argument(
+        "--ict-tokens", type=int, default=64, help="positions per response for ict's divergence"
+    )
     args = parser.parse_args()
     cfg = cwgrpo.parse_config(["--preset", "tiny", "--group-size", str(args.group_size)])
     g = torch.Generator().manual_seed(0)
@@ -46,20 +48,31 @@ def main() -> None:
     lengths = torch.randint(T // 4, T + 1, (G,), generator=g)
     lengths[0] = T
     mask = (torch.arange(T)[None] < lengths[:, None]).float()
-    old_logp = (-torch.rand(G, T, generator=g) ** 3 * 6) * mask
+    old_logp = (-(torch.rand(G, T, generator=g) ** 3) * 6) * mask
     ref_logp = old_logp + 0.05 * torch.randn(G, T, generator=g) * mask
     entropy = torch.rand(G, T, generator=g) * 2 * mask
     adv = torch.randn(G, generator=g)
     divergence = torch.rand(G, T, generator=g) * mask
-    batch_entropy = torch.cat([entropy[mask.bool()]] * 4).sort().values  # a rollout batch of 4 such groups
-    print(f"G = {G}, completions of {int(lengths.min())}..{T} tokens ({int(mask.sum())} valid), "
-          f"{torch.get_num_threads()} CPU threads, median of {args.repeats}")
+    batch_entropy = (
+        torch.cat([entropy[mask.bool()]] * 4).sort().values
+    )  # a rollout batch of 4 such groups
+    print(
+        f"G = {G}, completions of {int(lengths.min())}..{T} tokens ({int(mask.sum())} valid), "
+        f"{torch.get_num_threads()} CPU threads, median of {args.repeats}"
+    )
 
     def step(method_name: str):
         logp = old_logp.clone().requires_grad_(True)
-        group = cwgrpo.Group(logp=logp, old_logp=old_logp, advantages=adv, mask=mask,
-                             entropy=entropy, batch_entropy=batch_entropy, divergence=divergence,
-                             update_pass=0)
+        group = cwgrpo.Group(
+            logp=logp,
+            old_logp=old_logp,
+            advantages=adv,
+            mask=mask,
+            entropy=entropy,
+            batch_entropy=batch_entropy,
+            divergence=divergence,
+            update_pass=0,
+        )
         terms = cwgrpo.METHODS[method_name].token_terms(group, cfg)
         per_token = cwgrpo.token_loss(logp, old_logp, ref_logp, adv, terms, cfg)
         cwgrpo.aggregate(per_token, mask, cfg.loss_aggregation, G, int(mask.sum())).backward()
@@ -76,13 +89,20 @@ def main() -> None:
     targets = torch.randint(args.vocab, (G * positions,), generator=g)
     ict_mask = torch.ones(G, positions)
     budget = cfg.logit_chunk_elements
-    divergence_s = timed(lambda: cwgrpo.ict_divergence(hidden, weight, ict_mask, 0.7, budget, len(ict_mask)), 2)
-    logprob_s = timed(lambda: cwgrpo.chunked_logprobs(hidden.view(-1, args.hidden), weight, targets, 0.7, budget), 2)
+    divergence_s = timed(
+        lambda: cwgrpo.ict_divergence(hidden, weight, ict_mask, 0.7, budget, len(ict_mask)), 2
+    )
+    logprob_s = timed(
+        lambda: cwgrpo.chunked_logprobs(hidden.view(-1, args.hidden), weight, targets, 0.7, budget),
+        2,
+    )
     scale = mask.sum().item() / (G * positions)
-    print(f"ict divergence at vocab {args.vocab}, hidden {args.hidden}, {G} x {positions} positions: "
-          f"{divergence_s:.2f} s, {divergence_s / logprob_s:.2f} x the chunked log-prob forward pass of the same "
-          f"positions ({logprob_s:.2f} s); scaled to this group's {int(mask.sum())} tokens: about "
-          f"{divergence_s * scale:.0f} s, {divergence_s * scale / base:.0f} x grpo's loss time")
+    print(
+        f"ict divergence at vocab {args.vocab}, hidden {args.hidden}, {G} x {positions} positions: "
+        f"{divergence_s:.2f} s, {divergence_s / logprob_s:.2f} x the chunked log-prob forward pass of the same "
+        f"positions ({logprob_s:.2f} s); scaled to this group's {int(mask.sum())} tokens: about "
+        f"{divergence_s * scale:.0f} s, {divergence_s * scale / base:.0f} x grpo's loss time"
+    )
 
 
 if __name__ == "__main__":

@@ -28,20 +28,49 @@ import tiny  # noqa: E402
 
 
 def shared_settings(args) -> dict:
-    return dict(group_size=args.group_size, prompts_per_step=args.prompts, max_completion_length=40,
-                temperature=1.0, learning_rate=5e-4, seed=0)
+    return dict(
+        group_size=args.group_size,
+        prompts_per_step=args.prompts,
+        max_completion_length=40,
+        temperature=1.0,
+        learning_rate=5e-4,
+        seed=0,
+    )
 
 
 def run_cwgrpo(args, base_model: Path, out: Path) -> list[float]:
     s = shared_settings(args)
-    cfg = cwgrpo.parse_config([
-        "--preset", "tiny", "--method", "grpo", "--model", str(base_model),
-        "--dataset", str(base_model.parent / "arithmetic.jsonl"), "--beta", str(args.beta),
-        "--steps", str(args.steps),
-        "--save-every", str(10 ** 9), "--group-size", str(s["group_size"]), "--prompts-per-step", str(s["prompts_per_step"]),
-        "--groups-per-micro-batch", str(s["prompts_per_step"]), "--output-dir", str(out / "cwgrpo")])
+    cfg = cwgrpo.parse_config(
+        [
+            "--preset",
+            "tiny",
+            "--method",
+            "grpo",
+            "--model",
+            str(base_model),
+            "--dataset",
+            str(base_model.parent / "arithmetic.jsonl"),
+            "--beta",
+            str(args.beta),
+            "--steps",
+            str(args.steps),
+            "--save-every",
+            str(10**9),
+            "--group-size",
+            str(s["group_size"]),
+            "--prompts-per-step",
+            str(s["prompts_per_step"]),
+            "--groups-per-micro-batch",
+            str(s["prompts_per_step"]),
+            "--output-dir",
+            str(out / "cwgrpo"),
+        ]
+    )
     cwgrpo.train(cfg)
-    return [json.loads(line)["time"] for line in (out / "cwgrpo" / "metrics.jsonl").read_text().splitlines()]
+    return [
+        json.loads(line)["time"]
+        for line in (out / "cwgrpo" / "metrics.jsonl").read_text().splitlines()
+    ]
 
 
 def run_trl(args, base_model: Path, out: Path) -> list[float]:
@@ -58,14 +87,37 @@ def run_trl(args, base_model: Path, out: Path) -> list[float]:
         return [grade.accuracy + cwgrpo.format_reward(t) for grade, t in zip(grades, texts)]
 
     rows = tiny.arithmetic_dataset(0)
-    data = datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": q}] for q in rows["problem"]],
-                                       "solution": rows["solution"]})
+    data = datasets.Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": q}] for q in rows["problem"]],
+            "solution": rows["solution"],
+        }
+    )
     config = GRPOConfig(
-        output_dir=str(out / "trl"), max_steps=args.steps, per_device_train_batch_size=s["prompts_per_step"] * s["group_size"],
-        gradient_accumulation_steps=1, num_generations=s["group_size"], max_completion_length=s["max_completion_length"],
-        temperature=s["temperature"], top_k=0, top_p=1.0, learning_rate=s["learning_rate"], lr_scheduler_type="cosine",
-        warmup_steps=0.05, beta=args.beta, num_iterations=1, loss_type="grpo", max_grad_norm=1.0, use_cpu=True, bf16=False,
-        report_to="none", save_strategy="no", logging_steps=10 ** 9, seed=s["seed"], disable_tqdm=True)
+        output_dir=str(out / "trl"),
+        max_steps=args.steps,
+        per_device_train_batch_size=s["prompts_per_step"] * s["group_size"],
+        gradient_accumulation_steps=1,
+        num_generations=s["group_size"],
+        max_completion_length=s["max_completion_length"],
+        temperature=s["temperature"],
+        top_k=0,
+        top_p=1.0,
+        learning_rate=s["learning_rate"],
+        lr_scheduler_type="cosine",
+        warmup_steps=0.05,
+        beta=args.beta,
+        num_iterations=1,
+        loss_type="grpo",
+        max_grad_norm=1.0,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=10**9,
+        seed=s["seed"],
+        disable_tqdm=True,
+    )
     tokenizer = AutoTokenizer.from_pretrained(base_model, padding_side="left")
     step_ends = []
 
@@ -73,8 +125,14 @@ def run_trl(args, base_model: Path, out: Path) -> list[float]:
         def on_step_end(self, *_, **__):
             step_ends.append(time.time())
 
-    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(base_model), reward_funcs=reward, args=config,
-                          train_dataset=data, processing_class=tokenizer, callbacks=[StepTimes()])
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(base_model),
+        reward_funcs=reward,
+        args=config,
+        train_dataset=data,
+        processing_class=tokenizer,
+        callbacks=[StepTimes()],
+    )
     trainer.train()
     return step_ends
 
@@ -85,10 +143,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of both trainers")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--trl-reward-workers", type=int, default=1,
-                        help="grading processes for TRL's reward function (cwgrpo uses --reward-workers' default: "
-                             "one per core); 1 is how a TRL reward function grades, one completion after another")
-    parser.add_argument("--betas", default="0,0.04", help="KL coefficients to measure, each in turn")
+    parser.add_argument(
+        "--trl-reward-workers",
+        type=int,
+        default=1,
+        help="grading processes for TRL's reward function (cwgrpo uses --reward-workers' default: "
+        "one per core); 1 is how a TRL reward function grades, one completion after another",
+    )
+    parser.add_argument(
+        "--betas", default="0,0.04", help="KL coefficients to measure, each in turn"
+    )
     parser.add_argument("--beta", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--trainer", choices=["cwgrpo", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--base-model", help=argparse.SUPPRESS)
@@ -96,45 +160,83 @@ def main() -> None:
     cwgrpo.transformers.utils.logging.set_verbosity_error()
     if args.trainer:
         with tempfile.TemporaryDirectory() as tmp:
-            step_ends = (run_cwgrpo if args.trainer == "cwgrpo" else run_trl)(args, Path(args.base_model), Path(tmp))
+            step_ends = (run_cwgrpo if args.trainer == "cwgrpo" else run_trl)(
+                args, Path(args.base_model), Path(tmp)
+            )
         # steps 2..N: the first step and all set-up (loading, tokenising, compiling kernels) are left out
-        print(json.dumps({"seconds": step_ends[-1] - step_ends[0], "steps": len(step_ends) - 1,
-                          "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+        print(
+            json.dumps(
+                {
+                    "seconds": step_ends[-1] - step_ends[0],
+                    "steps": len(step_ends) - 1,
+                    "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                }
+            )
+        )
         return
 
     with tempfile.TemporaryDirectory() as tmp:
         base_model = tiny.build(tmp) / "model"
-        print(f"{args.steps} steps of {args.prompts} prompts x G = {args.group_size}, up to 40 new tokens, "
-              f"one update per batch, {os.cpu_count()} CPU threads, TRL {version('trl')}, "
-              f"transformers {version('transformers')}, torch {version('torch')}")
+        print(
+            f"{args.steps} steps of {args.prompts} prompts x G = {args.group_size}, up to 40 new tokens, "
+            f"one update per batch, {os.cpu_count()} CPU threads, TRL {version('trl')}, "
+            f"transformers {version('transformers')}, torch {version('torch')}"
+        )
         ratios = {}
         for beta in map(float, args.betas.split(",")):
             results = {"cwgrpo": [], "trl": []}
             for round_index in range(args.rounds):
                 for trainer in ("cwgrpo", "trl"):
-                    done = subprocess.run([sys.executable, __file__, "--trainer", trainer, "--base-model",
-                                           str(base_model), "--steps", str(args.steps), "--prompts",
-                                           str(args.prompts), "--group-size", str(args.group_size),
-                                           "--trl-reward-workers", str(args.trl_reward_workers),
-                                           "--beta", str(beta)], capture_output=True, text=True,
-                                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+                    done = subprocess.run(
+                        [
+                            sys.executable,
+                            __file__,
+                            "--trainer",
+                            trainer,
+                            "--base-model",
+                            str(base_model),
+                            "--steps",
+                            str(args.steps),
+                            "--prompts",
+                            str(args.prompts),
+                            "--group-size",
+                            str(args.group_size),
+                            "--trl-reward-workers",
+                            str(args.trl_reward_workers),
+                            "--beta",
+                            str(beta),
+                        ],
+                        capture_output=True,
+                        text=True,
+                        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+                    )
                     if done.returncode:
                         sys.exit(f"{trainer} failed:\n{done.stderr[-3000:]}")
                     result = json.loads(done.stdout.strip().splitlines()[-1])
                     results[trainer].append(result)
-                    print(f"beta {beta:g} round {round_index + 1} {trainer:6s}: "
-                          f"{result['steps'] / result['seconds']:.3f} steps/s ({result['seconds']:.1f} s), "
-                          f"peak RSS {result['peak_rss_mib']:.0f} MiB")
-            speed = {k: sum(r["steps"] for r in v) / sum(r["seconds"] for r in v) for k, v in results.items()}
-            ratios[beta] = [c["steps"] / c["seconds"] / (t["steps"] / t["seconds"])
-                            for c, t in zip(results["cwgrpo"], results["trl"])]
-            print(f"beta {beta:g}: cwgrpo {speed['cwgrpo']:.3f} steps/s, TRL {speed['trl']:.3f} steps/s: "
-                  f"cwgrpo / TRL = {speed['cwgrpo'] / speed['trl']:.2f} (per round: "
-                  f"{', '.join(f'{r:.2f}' for r in ratios[beta])}; goal >= 1.5)")
+                    print(
+                        f"beta {beta:g} round {round_index + 1} {trainer:6s}: "
+                        f"{result['steps'] / result['seconds']:.3f} steps/s ({result['seconds']:.1f} s), "
+                        f"peak RSS {result['peak_rss_mib']:.0f} MiB"
+                    )
+            speed = {
+                k: sum(r["steps"] for r in v) / sum(r["seconds"] for r in v)
+                for k, v in results.items()
+            }
+            ratios[beta] = [
+                c["steps"] / c["seconds"] / (t["steps"] / t["seconds"])
+                for c, t in zip(results["cwgrpo"], results["trl"])
+            ]
+            print(
+                f"beta {beta:g}: cwgrpo {speed['cwgrpo']:.3f} steps/s, TRL {speed['trl']:.3f} steps/s: "
+                f"cwgrpo / TRL = {speed['cwgrpo'] / speed['trl']:.2f} (per round: "
+                f"{', '.join(f'{r:.2f}' for r in ratios[beta])}; goal >= 1.5)"
+            )
 
 
 def version(package: str) -> str:
     from importlib.metadata import version as installed
+
     return installed(package)
 
 
