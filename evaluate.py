@@ -26,6 +26,7 @@ from transformers import HfArgumentParser
 import cwgrpo
 import loading
 import plots
+import sampling
 
 
 class Benchmark(NamedTuple):
@@ -218,7 +219,7 @@ def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path) -> dict:
                 torch.manual_seed(
                     cfg.seed + batch[0]
                 )  # a problem's samples do not depend on what ran before
-                texts = cwgrpo.generate_completions(
+                texts = sampling.generate_completions(
                     model,
                     tokenizer,
                     [prompts[i] for i in batch],

@@ -23,6 +23,7 @@ import ablate  # noqa: E402
 import cwgrpo  # noqa: E402
 import diagnose  # noqa: E402
 import plots  # noqa: E402
+import sampling  # noqa: E402
 import tiny  # noqa: E402
 from cwgrpo import Grader, cw_weights, format_reward, grade_accuracy, group_advantages  # noqa: E402
 
@@ -172,11 +173,11 @@ def test_format_reward():
 def test_completion_mask_after_first_eos():
     eos, pad = 9, 0
     ids = torch.tensor([[5, 6, eos, pad, pad], [eos, eos, pad, pad, pad], [1, 2, 3, 4, 5]])
-    mask, truncated = cwgrpo.completion_mask_after_eos(ids, [eos, 8], torch.tensor([5, 5, 5]))
+    mask, truncated = sampling.completion_mask_after_eos(ids, [eos, 8], torch.tensor([5, 5, 5]))
     assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
     assert truncated.tolist() == [False, False, True]
     # each row's own limit (prompt + completion capped): an EOS beyond it does not count
-    mask, truncated = cwgrpo.completion_mask_after_eos(ids, [eos], torch.tensor([2, 5, 3]))
+    mask, truncated = sampling.completion_mask_after_eos(ids, [eos], torch.tensor([2, 5, 3]))
     assert mask.tolist() == [[1, 1, 0, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 0, 0]]
     assert truncated.tolist() == [True, False, True]
 
@@ -1255,7 +1256,7 @@ def test_sampling_ignores_the_generation_config_the_model_ships(tiny_base):
 
     def completions():
         torch.manual_seed(0)
-        return cwgrpo.generate_completions(model, tokenizer, prompts, 4, 1.0, 1.0, 0, 12, None)[2]
+        return sampling.generate_completions(model, tokenizer, prompts, 4, 1.0, 1.0, 0, 12, None)[2]
 
     plain = completions()
     shipped = model.generation_config
@@ -1272,7 +1273,7 @@ def test_total_length_limit_caps_prompt_plus_completion(tiny_base):
     tokenizer = cwgrpo.load_tokenizer(str(tiny_base / "model"))
     prompts = [cwgrpo.chat_prompt_ids(tokenizer, q, "") for q in ("1+2", "1+2" * 4)]
     torch.manual_seed(0)
-    _, prompt_mask, _, mask, truncated, texts = cwgrpo.generate_completions(
+    _, prompt_mask, _, mask, truncated, texts = sampling.generate_completions(
         model, tokenizer, prompts, 3, 1.0, 1.0, 0, 40, len(prompts[1]) + 6
     )
     totals = prompt_mask.sum(1) + mask.sum(1)
@@ -1579,7 +1580,7 @@ def test_sampling_loop_with_a_kv_cache_matches_greedy_generate(tiny_base, top_p,
     model = cwgrpo.load_model(str(tiny_base / "model"), torch.float32, torch.device("cpu")).eval()
     tokenizer = cwgrpo.load_tokenizer(str(tiny_base / "model"))
     prompts = [cwgrpo.chat_prompt_ids(tokenizer, q, "") for q in ("1+2", "12+30", "5+5")]
-    prompt_ids, prompt_mask, ids, mask, _, _ = cwgrpo.generate_completions(
+    prompt_ids, prompt_mask, ids, mask, _, _ = sampling.generate_completions(
         model, tokenizer, prompts, 2, 0.7, top_p, top_k, 16, None
     )
     reference = model.generate(
@@ -1590,7 +1591,7 @@ def test_sampling_loop_with_a_kv_cache_matches_greedy_generate(tiny_base, top_p,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )[:, prompt_ids.shape[1] :]
-    reference_mask, _ = cwgrpo.completion_mask_after_eos(
+    reference_mask, _ = sampling.completion_mask_after_eos(
         reference, [tokenizer.eos_token_id], torch.full((len(reference),), reference.shape[1])
     )
     assert torch.equal(mask, reference_mask[:, : mask.shape[1]])
@@ -1615,7 +1616,7 @@ def test_sampled_tokens_follow_the_configured_distribution(tiny_base, temperatur
         kept[order[before < top_p]] = True
     expected = probs * kept / (probs * kept).sum()
     torch.manual_seed(0)
-    drawn = cwgrpo.sample_tokens(
+    drawn = sampling.sample_tokens(
         model,
         prompt.repeat(8000, 1),
         torch.ones(8000, prompt.shape[1]),
