@@ -11,9 +11,12 @@ Rerunning the same command skips finished runs and resumes unfinished ones. A me
 options of its own: `--methods "grpo,cw-detached=cw --cw-detach"`.
 """
 
+import dataclasses
 import json
+import math
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -24,11 +27,11 @@ from pathlib import Path
 from typing import Literal
 
 from tqdm import tqdm
-from transformers import HfArgumentParser
 
 import cwgrpo
 import plots
 import tiny
+from runtime import arg, option_differences, parse_dataclasses
 
 HERE = Path(__file__).resolve().parent
 CW_READINGS = (
@@ -39,24 +42,27 @@ CW_READINGS = (
 
 @dataclass
 class AblationConfig:
-    methods: str = cwgrpo.arg(
+    methods: str = arg(
         "all",
         "comma-separated methods (label=method options for a variant), "
         "all, or cw-readings (GRPO and CW-GRPO's readings)",
     )
-    seeds: int = cwgrpo.arg(5, "runs per method, with seeds 0 .. seeds-1")
-    preset: Literal["paper-1.5b", "paper-7b", "tiny"] = cwgrpo.arg(
+    seeds: int = arg(5, "runs per method, with seeds 0 .. seeds-1")
+    preset: Literal["paper-1.5b", "paper-7b", "tiny"] = arg(
         "tiny", "the recipe every run uses; options after -- go to every run"
     )
-    output_dir: str = cwgrpo.arg(
+    output_dir: str = arg(
         "runs/ablation", "gets <label>-seed<seed>/ per run, ablation.md and ablation.png"
     )
-    publish: str = cwgrpo.arg("", "also write the table and plot here, as <publish>.md and .png")
-    workers: int = cwgrpo.arg(0, "runs at a time; 0 is one per CPU core")
-    threshold: float = cwgrpo.arg(
+    publish: str = arg("", "also write the table and plot here, as <publish>.md and .png")
+    workers: int = arg(0, "runs at a time; 0 is one per CPU core")
+    threshold: float = arg(
         0.7, "accuracy for 'steps to threshold' (first step whose 10-step mean reaches it)"
     )
-    plot: bool = cwgrpo.arg(True, "draw ablation.png")
+    plot: bool = arg(True, "draw ablation.png")
+    rerun_changed: bool = arg(
+        False, "rerun from scratch the runs whose recorded options differ from the ones asked for"
+    )
 
 
 def parse_methods(spec: str) -> dict[str, list[str]]:
@@ -76,14 +82,19 @@ def parse_methods(spec: str) -> dict[str, list[str]]:
 
 def cell(values: list[float], digits: int = 3) -> str:
     mean, half = plots.interval(values)
-    return f"{mean:.{digits}f} ± {half:.{digits}f}"
+    return f"{mean:.{digits}f} ± {plus_minus(half, digits)}"
+
+
+def plus_minus(half: float, digits: int) -> str:
+    """An interval's half-width; n/a where one seed leaves it undefined."""
+    return "n/a" if math.isnan(half) else f"{half:.{digits}f}"
 
 
 def difference(values: list[float], baseline: list[float], digits: int = 3) -> str:
     """The paired difference over seeds, with its 95% interval; bold when it excludes 0."""
     mean, half = plots.interval([v - b for v, b in zip(values, baseline)])
-    text = f"{mean:+.{digits}f} ± {half:.{digits}f}"
-    return f"**{text}**" if abs(mean) > half and len(values) > 1 else text
+    text = f"{mean:+.{digits}f} ± {plus_minus(half, digits)}"
+    return f"**{text}**" if abs(mean) > half else text  # False for NaN: one seed finds nothing
 
 
 def run_summary(run_dir: Path, threshold: float) -> dict:
@@ -107,14 +118,12 @@ def run_summary(run_dir: Path, threshold: float) -> dict:
     return summary
 
 
-def run_one(
-    label: str, options: list[str], seed: int, run_dir: Path, acfg: AblationConfig, run_args: list
-) -> None:
-    if (run_dir / "wall_time.json").is_file():
-        return  # finished by an earlier invocation
-    command = [
-        sys.executable,
-        str(HERE / "cwgrpo.py"),
+def run_arguments(
+    options: list[str], seed: int, run_dir: Path, acfg: AblationConfig, run_args: list
+) -> list[str]:
+    """cwgrpo.py's command line for one run of the ablation."""
+    pinned = ["--threads", "1", "--reward-workers", "1"]
+    return [
         "--preset",
         acfg.preset,
         *options,
@@ -122,11 +131,36 @@ def run_one(
         str(seed),
         "--output-dir",
         str(run_dir),
-        "--threads",
-        "1",
-        "--reward-workers",
-        "1",
+        *pinned,
         *run_args,
+    ]
+
+
+def changed_runs(runs: list, methods: dict, acfg: AblationConfig, run_args: list) -> dict:
+    """The runs already in the folder whose recorded options are not the ones asked for now,
+    each with what differs (a finished 10-step run is not a 30-step one)."""
+    changed = {}
+    for label, seed, run_dir in runs:
+        if (run_dir / "run_config.json").is_file():
+            recorded = json.loads((run_dir / "run_config.json").read_text())
+            asked = cwgrpo.parse_config(
+                run_arguments(methods[label], seed, run_dir, acfg, run_args)
+            )
+            differences = option_differences(recorded, dataclasses.asdict(asked))
+            if differences:
+                changed[run_dir] = f"{run_dir.name} ({'; '.join(differences)})"
+    return changed
+
+
+def run_one(
+    label: str, options: list[str], seed: int, run_dir: Path, acfg: AblationConfig, run_args: list
+) -> None:
+    if (run_dir / "wall_time.json").is_file():
+        return  # finished by an earlier invocation, with these options (changed_runs checked)
+    command = [
+        sys.executable,
+        str(HERE / "cwgrpo.py"),
+        *run_arguments(options, seed, run_dir, acfg, run_args),
     ]
     if (run_dir / "metrics.jsonl").exists():
         command.append("--resume")
@@ -147,7 +181,7 @@ def run_one(
 def ablate(argv: list) -> Path:
     split = argv.index("--") if "--" in argv else len(argv)
     own, run_args = argv[:split], argv[split + 1 :]
-    (acfg,) = HfArgumentParser(AblationConfig, prog="ablate.py").parse_args_into_dataclasses(own)
+    (acfg,) = parse_dataclasses(AblationConfig, own, prog="ablate.py")
     methods = parse_methods(acfg.methods)
     if acfg.plot:
         plots.pyplot()  # fail now, not after the runs, if matplotlib is missing
@@ -160,6 +194,15 @@ def ablate(argv: list) -> Path:
         for label in methods
         for seed in range(acfg.seeds)
     ]
+    changed = changed_runs(runs, methods, acfg, run_args)
+    if changed and not acfg.rerun_changed:
+        raise SystemExit(
+            f"error: {len(changed)} runs in {output_dir} were made with other options: "
+            f"{', '.join(changed.values())}; pass --rerun-changed to redo them, or choose "
+            f"another --output-dir"
+        )
+    for run_dir in changed:
+        shutil.rmtree(run_dir)
     workers = acfg.workers or os.cpu_count() or 1
     with ThreadPoolExecutor(workers) as pool:
         jobs = [
@@ -196,7 +239,7 @@ def ablation_table(
     run_minutes = sum(r["wall_s"] for runs in summaries.values() for r in runs) / 60
     lines = [
         f"`python ablate.py --methods {shlex.quote(acfg.methods)} --seeds {seeds} --preset "
-        f"{acfg.preset}{options}`: {len(methods) * seeds} runs, {run_minutes:.0f} minutes of "
+        f"{acfg.preset}{options}`: {len(methods) * seeds} runs, {run_minutes:.1f} minutes of "
         f"run time in all, {workers} at a time.",
         "",
         f"Mean ± half-width of the 95% Student-t interval over seeds 0-{seeds - 1}. First and "
@@ -213,10 +256,10 @@ def ablation_table(
     ]
     for label, runs in summaries.items():
 
-        def values(key):
+        def values(key, runs=runs):
             return [r[key] for r in runs]
 
-        def delta(key):
+        def delta(key, label=label):
             return (
                 difference(values(key), [r[key] for r in baseline])
                 if baseline and label != "grpo"

@@ -5,8 +5,7 @@ CW-GRPO ("Taming Extreme Tokens: Covariance-Aware GRPO with Gaussian-Kernel Adva
 Reweighting", Wang et al., ACL 2026) scales each token's advantage by a Gaussian kernel of its
 covariance score. docs/math.md has every formula, with the papers' equation and section numbers.
 
-    python tiny.py                               # once: the tiny preset's model and data (a CPU)
-    python cwgrpo.py --method cw --preset tiny   # CW-GRPO on that tiny model, in a minute on a CPU
+    python cwgrpo.py --method cw --preset tiny   # CW-GRPO on a tiny model, in a minute on a CPU
     python cwgrpo.py --method cw                 # the paper's 1.5B recipe (one CUDA GPU)
 """
 
@@ -18,7 +17,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal, NamedTuple
 
@@ -26,12 +25,12 @@ import torch
 import transformers
 from latex2sympy2_extended import NormalizationConfig
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-from tqdm import tqdm
-from transformers import HfArgumentParser
 
 import plots
+import tiny
 from lm_head import chunked_logprobs, ict_divergence
 from loading import (
+    chat_prompt_ids,
     check_model_path,
     load_dataset,
     load_model,
@@ -41,12 +40,17 @@ from loading import (
 from runtime import (
     CachedTimeoutPool,
     LogCounter,
+    Progress,
     RunLock,
     StopRequest,
+    append_record,
+    arg,
     bf16_autocast,
     check_resumable,
+    check_resume,
     keep_records_until,
-    latest_checkpoint,
+    never_fatal,
+    parse_dataclasses,
     prepare_output_dir,
     resolve_device,
     resume_command,
@@ -68,11 +72,6 @@ OPEN_RS_SYSTEM_PROMPT = (
 )
 
 
-def arg(default, help: str, **metadata):
-    """A Config field with its --help text."""
-    return field(default=default, metadata={"help": help, **metadata})
-
-
 # The range of every numeric option, checked when the command line is parsed: rule -> options
 RULES = {
     ">= 2": (lambda v: v >= 2, "group_size"),
@@ -80,7 +79,7 @@ RULES = {
         lambda v: v > 0,
         "prompts_per_step groups_per_micro_batch max_prompt_length "
         "max_completion_length temperature reward_timeout_s num_iterations "
-        "learning_rate max_grad_norm steps save_every logit_chunk_elements",
+        "learning_rate max_grad_norm steps save_every logit_chunk_elements log_every",
     ),
     "in (0, 1]": (
         lambda v: 0 < v <= 1,
@@ -98,10 +97,11 @@ RULES = {
 
 @dataclass
 class Config:
-    """The defaults are the released 1.5B recipe (docs/math.md, "Recipe"); PRESETS override some."""
+    """The defaults are the released 1.5B recipe (docs/math.md, "Recipe"); PRESETS override some.
+    --help shows the defaults of the --preset given (paper-1.5b when none is)."""
 
     preset: Literal["paper-1.5b", "paper-7b", "tiny"] = arg(
-        "paper-1.5b", "a whole recipe (tiny: the CPU demo of tiny.py); options given override it"
+        "paper-1.5b", "a whole recipe (tiny: a CPU demo, built on first use); options override it"
     )
     method: str = arg("cw", "token-weighting method: one of METHODS (section 7, listed below)")
     model: str = arg("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", "hub id or local folder")
@@ -155,8 +155,8 @@ class Config:
     ar_lopti_eta: float = arg(0.5, "ar_lopti: lopti's eta")
     ict_keep_frac: float = arg(0.1, "ict: share of positions kept")
     entropy_top_frac: float = arg(0.2, "entropy20: share of tokens kept")
-    stapo_max_prob: float = arg(0.01, "stapo: probability below which ...")
-    stapo_entropy_percentile: float = arg(5.0, "... and entropy percentile")
+    stapo_max_prob: float = arg(0.01, "stapo: silence tokens with p below this ...")
+    stapo_entropy_percentile: float = arg(5.0, "stapo: ... and entropy below this percentile")
     learning_rate: float = arg(1e-6, "peak AdamW learning rate")
     min_lr_ratio: float = arg(0.1, "the cosine schedule ends at this x peak")
     warmup_ratio: float = arg(0.1, "share of steps with linear warmup")
@@ -172,6 +172,7 @@ class Config:
     output_dir: str = arg("", "default runs/<method>-<preset>-seed<seed>")
     resume: bool = arg(False, "continue from the newest complete checkpoint in --output-dir")
     overwrite_output_dir: bool = arg(False, "start afresh in an --output-dir that holds a run")
+    log_every: int = arg(10, "without a terminal, print a progress line every this many steps")
 
     def __post_init__(self):
         """Every option is checked here, at parse time, before any slow work."""
@@ -241,32 +242,26 @@ EVALUATE_OPTIONS = {
 }
 
 
-def parse_config(argv=None, *extra_dataclasses):
+def parse_config(argv=None, *extra_dataclasses, hidden: tuple = ()):
     """The run's Config (and those of extra dataclasses a tool adds): the preset's values as
-    defaults, then the command line."""
+    defaults, then the command line; `hidden` options are left out of --help."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    preset_parser = argparse.ArgumentParser(add_help=False)
+    preset_parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     preset_parser.add_argument("--preset", default=Config.preset, choices=list(PRESETS))
     preset = preset_parser.parse_known_args(argv)[0].preset
-    parser = HfArgumentParser(
+    methods = "; ".join(f"{name}: {m.description}" for name, m in METHODS.items())
+    parsed = parse_dataclasses(
         (Config, *extra_dataclasses),
-        description=__doc__.split("\n\n")[0],
-        epilog="methods: " + "; ".join(f"{name}: {m.description}" for name, m in METHODS.items()),
+        argv,
+        PRESETS[preset],
+        hidden,
+        epilog="methods: " + methods,
+        description=f"{__doc__.split(chr(10) * 2)[0]} Defaults shown: --preset {preset}'s.",
     )
-    parser.set_defaults(**PRESETS[preset])
-    parsed = parser.parse_args_into_dataclasses(argv)
     return parsed if extra_dataclasses else parsed[0]
 
 
 # 2. Data and prompts ----------------------------------------------------------------------------
-def chat_prompt_ids(tokenizer, question: str, system_prompt: str) -> list[int]:
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append({"role": "user", "content": question})
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)[
-        "input_ids"
-    ]
-
-
 class PromptStream:
     """Tokenised (prompt, gold) pairs in a seeded order, reshuffled each epoch. Its position, a
     count of prompts served, is all a checkpoint needs."""
@@ -285,7 +280,7 @@ class PromptStream:
                 f"error: every prompt is longer than --max-prompt-length {cfg.max_prompt_length}"
             )
 
-    @functools.lru_cache(maxsize=1)
+    @functools.lru_cache(maxsize=1)  # noqa: B019 - one stream per run, alive as long as the run
     def order(self, epoch: int) -> list[int]:
         generator = torch.Generator().manual_seed(self.seed + epoch)
         return torch.randperm(len(self.items), generator=generator).tolist()
@@ -592,7 +587,10 @@ def clip_cov(group: Group, cfg: Config) -> TokenTerms:
 def kl_cov(group: Group, cfg: Config) -> TokenTerms:
     """KL-Cov (Cui et al. 2025): no clipping; |logp - old_logp| on the top-k tokens by C."""
     cov = token_covariance(group.logp, group.advantages, group.mask)
-    k = max(1, int(cfg.kl_cov_ratio * group.mask.sum()))
+    n_valid = int(
+        group.mask.sum()
+    )  # k is at least 1, at most the valid tokens (0 in an empty group)
+    k = min(max(1, int(cfg.kl_cov_ratio * n_valid)), n_valid)
     top = torch.zeros_like(group.mask, dtype=torch.bool).view(-1)
     top[cov.masked_fill(group.mask == 0, -torch.inf).view(-1).topk(k).indices] = True
     extra = cfg.kl_cov_coef * (group.logp - group.old_logp).abs() * top.view_as(group.mask)
@@ -939,25 +937,40 @@ def collect_rollout(
     return rollout, rollout_rewards(rollout, grades(), cfg)
 
 
+def method_passes():
+    """(name shown, method, update pass, description) of every method's every update pass: the
+    token page shows lopti's two passes as two views."""
+    for name, method in METHODS.items():
+        yield name, method, 0, method.description + " (pass 1)" * (method.update_passes > 1)
+        for update_pass in range(1, method.update_passes):
+            about = f"{name}'s pass {update_pass + 1}, on the tokens pass 1 left out"
+            yield f"{name}, pass {update_pass + 1}", method, update_pass, about
+
+
 @torch.no_grad()
 def token_view(model, tokenizer, rollout: Rollout, cfg: Config, label: str, shown: int = 4):
     """What tokens.html shows of the batch's first group: a few completions, token by token, with
     each token's probability, covariance score (cw step 3), and the weight every method gives it.
     The RNG is restored (clip_cov draws), so training goes on unchanged."""
     rng, rows = rng_states(), rollout.select(0, cfg.group_size)
-    stats, mask = policy_token_stats(model, rows, cfg, divergence=True), rows.completion_mask
-    group = Group(
-        logp=stats["logp"],
-        old_logp=stats["logp"],
-        advantages=rows.advantages,
-        mask=mask,
-        entropy=stats["entropy"],
-        divergence=stats["divergence"],
-        batch_entropy=stats["entropy"][mask.bool()].sort().values,
-        update_pass=0,
-    )
-    terms = {name: method.token_terms(group, cfg) for name, method in METHODS.items()}
-    set_rng_states(rng)
+    try:
+        stats, mask = policy_token_stats(model, rows, cfg, divergence=True), rows.completion_mask
+        group = Group(
+            logp=stats["logp"],
+            old_logp=stats["logp"],
+            advantages=rows.advantages,
+            mask=mask,
+            entropy=stats["entropy"],
+            divergence=stats["divergence"],
+            batch_entropy=stats["entropy"][mask.bool()].sort().values,
+            update_pass=0,
+        )
+        terms = {
+            name: method.token_terms(group._replace(update_pass=update_pass), cfg)
+            for name, method, update_pass, _ in method_passes()
+        }
+    finally:
+        set_rng_states(rng)
     weights = {k: t.pg_weight * (1 if t.active is None else t.active) for k, t in terms.items()}
     return plots.token_view(
         label,
@@ -975,15 +988,25 @@ def token_view(model, tokenizer, rollout: Rollout, cfg: Config, label: str, show
 def draw(output_dir: Path, cfg: Config, views: list[dict]) -> None:
     """The run's curves (curves.png) and its tokens (tokens.html), redrawn from what it holds."""
     title = f"{cfg.method} on {cfg.model}, seed {cfg.seed}"
-    plots.plot_run(output_dir / "metrics.jsonl", output_dir / "curves.png", title)
-    (output_dir / "token_views.json").write_text(json.dumps(views))
-    plots.token_page(
-        output_dir / "tokens.html",
-        title,
-        cfg.method,
-        {name: m.description for name, m in METHODS.items()},
-        views,
-    )
+    with never_fatal("draw curves.png"):
+        plots.plot_run(output_dir / "metrics.jsonl", output_dir / "curves.png", title)
+    note = "cw as released normalises its weights over padded positions, so their mean over real "
+    note += "tokens is above 1 and most tokens show orange."
+    with never_fatal("write tokens.html"):
+        about = {name: text for name, _, _, text in method_passes()}
+        plots.token_page(
+            output_dir / "tokens.html",
+            title,
+            cfg.method,
+            about,
+            views,
+            note if cfg.cw_norm == "padded" else "",
+        )
+
+
+# Options a resumed run may change, none of them its recipe: more --steps extend it (the cosine
+# schedule is then recomputed over the new total), the rest say where and how often it reports.
+RESUME_MAY_CHANGE = ("steps", "save_every", "log_every", "reward_workers", "output_dir")
 
 
 def train(cfg: Config, on_rollout: Callable | None = None) -> Path:
@@ -996,43 +1019,54 @@ def train(cfg: Config, on_rollout: Callable | None = None) -> Path:
     print(
         f"cwgrpo: --method {cfg.method} on {cfg.model}, data {cfg.dataset}\n"
         f"  {cfg.prompts_per_step} prompts x G = {cfg.group_size} per step, {cfg.steps} steps, "
-        f"beta {cfg.beta:g}, lr {cfg.learning_rate:g}; output {cfg.output_dir}",
+        f"beta {cfg.beta:g}, lr {cfg.learning_rate:g}, temperature {cfg.temperature:g}; "
+        f"output {cfg.output_dir}",
         flush=True,
     )
     plots.pyplot()  # fail now, not at the first checkpoint, if matplotlib is missing
-    with RunLock(Path(cfg.output_dir)), StopRequest() as stop:  # a live run's folder: stop here
-        check_model_path(cfg.model, " (build it with: python tiny.py)" * (cfg.preset == "tiny"))
-        check_resumable(Path(cfg.output_dir), cfg.resume)
+    output_dir = Path(cfg.output_dir)
+    with RunLock(output_dir), StopRequest() as stop:  # a live run's folder: stop here
+        if cfg.model == PRESETS["tiny"]["model"] and not Path(cfg.model).exists():
+            tiny.build(str(Path(cfg.model).parent))  # the demo's model, built on first use
+        check_model_path(cfg.model)
+        resume_from = check_resumable(output_dir, cfg.resume)
+        options = dataclasses.asdict(cfg)
+        if resume_from and check_resume(resume_from, options, cfg.steps, RESUME_MAY_CHANGE):
+            return output_dir
         dataset = load_dataset(cfg.dataset, cfg.dataset_split, cfg.question_column, cfg.gold_column)
-        output_dir = run(cfg, device, dataset, on_rollout, stop)
+        with Grader(cfg.reward_timeout_s, reward_worker_count(cfg)) as grader:
+            run(cfg, device, dataset, resume_from, grader, on_rollout, stop)
+    evaluate = f"python evaluate.py --model {output_dir / 'final-model'}"
     print(
         plots.run_summary(
             output_dir,
             time.perf_counter() - start,
-            f"python evaluate.py --model {output_dir / 'final-model'}"
-            + EVALUATE_OPTIONS.get(cfg.preset, ""),
+            cfg.temperature,
+            evaluate + EVALUATE_OPTIONS.get(cfg.preset, ""),
         )
     )
     return output_dir
 
 
 def run(
-    cfg: Config, device: torch.device, dataset, on_rollout: Callable | None, stop: StopRequest
-) -> Path:
+    cfg: Config,
+    device,
+    dataset,
+    resume_from: Path | None,
+    grader: Grader,
+    on_rollout: Callable | None,
+    stop: StopRequest,
+) -> None:
     """The loop of train(), inside the output folder's lock: sample, score, advantages, update,
     log, save."""
+    config = dataclasses.asdict(cfg)
     output_dir = prepare_output_dir(
         Path(cfg.output_dir),
-        cfg.resume,
+        resume_from,
         cfg.overwrite_output_dir,
-        dataclasses.asdict(cfg)
-        | {
-            "torch_threads": torch.get_num_threads(),
-            "reward_workers_used": reward_worker_count(cfg),
-        },
+        config | {"torch_threads": torch.get_num_threads(), "reward_workers_used": grader.size},
     )
     transformers.utils.logging.disable_progress_bar()
-    resume_from = latest_checkpoint(output_dir) if cfg.resume else None
     print(f"loading {resume_from or cfg.model} ...", flush=True)
     tokenizer = load_tokenizer(str(resume_from or cfg.model))
     prompts = PromptStream(dataset, tokenizer, cfg)
@@ -1040,7 +1074,6 @@ def run(
     reference = load_reference(cfg.model, device) if cfg.beta > 0 else None
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    grader = Grader(cfg.reward_timeout_s, reward_worker_count(cfg))
     method = METHODS[cfg.method]
     if cfg.method == "kl_cov" and cfg.num_iterations == 1:
         print(
@@ -1065,7 +1098,7 @@ def run(
         scheduler.load_state_dict(state["scheduler"])
         set_rng_states(state["rng"])
         start_step, prompts.position = state["step"], state["data_position"]
-        views = json.loads((output_dir / "token_views.json").read_text())[:1]
+        views = state.get("token_views", [])[:1]  # the first step's; older checkpoints have none
     else:
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
@@ -1073,17 +1106,16 @@ def run(
     keep_records_until(metrics_path, start_step)
 
     autocast = bf16_autocast(device)
-    progress = tqdm(
-        range(start_step, cfg.steps), initial=start_step, total=cfg.steps, desc=cfg.method
-    )
-    for step in progress:
+    progress = Progress(start_step, cfg.steps, cfg.method, cfg.log_every)
+    for step in range(start_step, cfg.steps):
         t0 = time.perf_counter()
         with autocast():
             rollout, rollout_metrics = collect_rollout(
                 model, reference, tokenizer, prompts, grader, cfg
             )
             if step == 0 or step + 1 == cfg.steps:
-                views.append(token_view(model, tokenizer, rollout, cfg, f"step {step + 1}"))
+                with never_fatal("draw the token page"):
+                    views.append(token_view(model, tokenizer, rollout, cfg, f"step {step + 1}"))
         rollout_s = time.perf_counter() - t0
         if on_rollout is not None:
             on_rollout(step + 1, model, rollout, autocast)
@@ -1104,35 +1136,35 @@ def run(
             record["tokens_per_s"] = rollout.completion_mask.sum().item() / (
                 rollout_s + record["update_s"]
             )
-            with metrics_path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
-        progress.set_postfix(
+            append_record(metrics_path, record)
+        progress.step(
             reward=f"{record['reward_mean']:.3f}", entropy=f"{record['entropy_mean']:.3f}"
         )
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps or stop.requested:
+            trainer_state = {
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "rng": rng_states(),
+                "step": step + 1,
+                "data_position": prompts.position,
+                "token_views": views,
+            }
             save_checkpoint(
                 output_dir,
                 f"checkpoint-{step + 1}",
                 model,
                 tokenizer,
-                {
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(),
-                    "rng": rng_states(),
-                    "step": step + 1,
-                    "data_position": prompts.position,
-                },
+                trainer_state,
+                {"run_config.json": json.dumps(config, indent=2)},
             )
             draw(output_dir, cfg, views)
         if stop.requested:
-            grader.close()
             raise SystemExit(
                 f"stopped after step {step + 1} (saved checkpoint-{step + 1}); "
                 f"resume with: {resume_command()}"
             )
-    grader.close()
+    progress.close()
     save_checkpoint(output_dir, "final-model", model, tokenizer)
-    return output_dir
 
 
 def main(argv=None) -> None:

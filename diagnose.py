@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import transformers
-from transformers import HfArgumentParser
 
 import cwgrpo
 import plots
+import runtime
 from lm_head import squared_probability_mass
 
 CONCENTRATION_CUTOFFS = (0.0001, 0.001, 0.01, 0.1, 1.0)  # top 0.01% ... 100% of one side
@@ -74,9 +74,13 @@ def concentration(scores: torch.Tensor) -> dict:
 
 
 def quantile_masks(values: torch.Tensor, parts: int) -> list[torch.Tensor]:
-    """`parts` boolean masks that split `values` at its quantiles; together they partition it."""
-    edges = torch.quantile(values.float(), torch.arange(1, parts, device=values.device) / parts)
-    bucket = torch.bucketize(values.float(), edges)  # a value equal to an edge goes below
+    """`parts` boolean masks of equal size (to one) that split `values` by rank; together they
+    partition it. Ties are split by position, so a value shared by many tokens (the score 0 of
+    every token in a group whose rewards are all equal) fills several parts instead of leaving
+    some empty."""
+    order = values.float().argsort(stable=True)
+    bucket = torch.empty_like(order)
+    bucket[order] = torch.arange(len(values), device=values.device) * parts // max(len(values), 1)
     return [bucket == q for q in range(parts)]
 
 
@@ -257,6 +261,9 @@ def diagnostics_markdown(report: dict, cfg: cwgrpo.Config, source: str) -> str:
         "",
         "## CW weights by covariance decile",
         "",
+        "Deciles by rank of the covariance score; tied scores (the many 0s of groups whose rewards "
+        "are all equal) are split by position, so every decile holds a tenth of the tokens.",
+        "",
         "| decile | " + " | ".join(f"D{i + 1}" for i in range(10)) + " |",
         "|---|" + "---|" * 10,
         "| mean CW weight | " + " | ".join(f"{w:.3f}" for w in deciles) + " |",
@@ -264,12 +271,30 @@ def diagnostics_markdown(report: dict, cfg: cwgrpo.Config, source: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+# Options of a training run that one diagnosed batch has no use for: left out of batch --help
+TRAINING_ONLY = (
+    "resume",
+    "overwrite_output_dir",
+    "steps",
+    "save_every",
+    "log_every",
+    "output_dir",
+    "learning_rate",
+    "min_lr_ratio",
+    "warmup_ratio",
+    "weight_decay",
+    "max_grad_norm",
+)
+
+
 def batch(argv: list) -> Path:
     """The diagnostics of one rollout batch sampled from --model with the run's settings."""
-    cfg, bcfg = cwgrpo.parse_config(argv, BatchConfig)
+    cfg, bcfg = cwgrpo.parse_config(argv, BatchConfig, hidden=TRAINING_ONLY)
     device = cwgrpo.resolve_device(
         cfg.device, cfg.preset if cfg.preset in cwgrpo.GPU_PRESETS else ""
     )
+    for path in filter(None, (cfg.model, bcfg.reference_model)):
+        cwgrpo.check_model_path(path)
     transformers.utils.logging.disable_progress_bar()
     tokenizer = cwgrpo.load_tokenizer(cfg.model)
     model = cwgrpo.load_model(cfg.model, torch.float32, device)
@@ -306,13 +331,16 @@ def train(argv: list) -> Path:
     """cwgrpo's training run, appending the diagnostics to diagnostics.jsonl every --every steps.
     The hook restores the RNG and the gradients, so the run's metrics are those of a plain run."""
     cfg, tcfg = cwgrpo.parse_config(argv, TrainConfig)
+    if not {"--output-dir", "--output_dir"} & {a.split("=")[0] for a in argv}:
+        cfg.output_dir = (
+            f"runs/diagnose-{cfg.method}-{cfg.preset}-seed{cfg.seed}"  # not a plain run's
+        )
     path = Path(cfg.output_dir) / "diagnostics.jsonl"
 
     def on_rollout(step, model, rollout, autocast):
         if step % tcfg.every == 0:
             report = diagnose_rollout(model, rollout, cfg, autocast)
-            with path.open("a") as f:
-                f.write(json.dumps({"rollout_step": step, **report}) + "\n")
+            runtime.append_record(path, {"rollout_step": step, **report})
 
     if cfg.resume:
         cwgrpo.keep_records_until(path, resumed_step(Path(cfg.output_dir)))
@@ -320,15 +348,13 @@ def train(argv: list) -> Path:
 
 
 def resumed_step(output_dir: Path) -> int:
-    checkpoint = cwgrpo.latest_checkpoint(output_dir)
+    checkpoint = runtime.latest_checkpoint(output_dir)
     return 0 if checkpoint is None else int(checkpoint.name.split("-")[1])
 
 
 def plot(argv: list) -> Path:
     """Entropy and the top-0.01% covariance over training steps, several runs on one figure."""
-    (pcfg,) = HfArgumentParser(PlotConfig, prog="diagnose.py plot").parse_args_into_dataclasses(
-        argv
-    )
+    (pcfg,) = runtime.parse_dataclasses(PlotConfig, argv, prog="diagnose.py plot")
     runs, top = {}, str(CONCENTRATION_CUTOFFS[0])
     for run in map(Path, pcfg.runs):
         if not (run / "diagnostics.jsonl").is_file():
@@ -355,6 +381,11 @@ if __name__ == "__main__":
     if sys.argv[1:2] and sys.argv[1] in COMMANDS:
         print(f"done: {COMMANDS[sys.argv[1]](sys.argv[2:])}")
     else:
-        raise SystemExit(
-            f"usage: python diagnose.py {{{','.join(COMMANDS)}}} ... (each with --help)"
+        commands = "\n".join(
+            f"  {name:6s} {fn.__doc__.splitlines()[0]}" for name, fn in COMMANDS.items()
         )
+        print(
+            f"usage: python diagnose.py {{{','.join(COMMANDS)}}} ... (each with --help)\n\n"
+            f"{__doc__.split(chr(10) * 2)[0]}\n\n{commands}"
+        )
+        raise SystemExit(0 if {"-h", "--help"} & set(sys.argv[1:2]) else 2)

@@ -21,11 +21,11 @@ from typing import Literal, NamedTuple
 
 import torch
 from tqdm import tqdm
-from transformers import HfArgumentParser
 
 import cwgrpo
 import loading
 import plots
+import runtime
 import sampling
 
 
@@ -420,9 +420,7 @@ def default_output_dir(source: str) -> Path:
 
 
 def main(argv=None) -> None:
-    (cfg,) = HfArgumentParser(
-        EvalConfig, description=__doc__.split("\n\n")[0]
-    ).parse_args_into_dataclasses(argv)
+    (cfg,) = runtime.parse_dataclasses(EvalConfig, argv, description=__doc__.split("\n\n")[0])
     if bool(cfg.model) == bool(cfg.checkpoints):
         raise SystemExit("error: pass exactly one of --model PATH_OR_HUB_ID and --checkpoints GLOB")
     if cfg.device == "cuda" and not torch.cuda.is_available():
@@ -434,9 +432,11 @@ def main(argv=None) -> None:
         evaluate_checkpoints(cfg, output_dir)
         print(f"done: {output_dir / 'checkpoints.md'}")
         return
+    loading.check_model_path(cfg.model)  # before the output folder exists
     results = evaluate_model(cfg.model, cfg, output_dir)
     write_results(output_dir, cfg.model, cfg, results)
     print((output_dir / "results.md").read_text())
+    print(f"written: {output_dir / 'results.json'} and {output_dir / 'results.md'}")
 
 
 if __name__ == "__main__":

@@ -3,12 +3,41 @@ one line that names the problem and its fix, never a traceback from inside a lib
 evaluate.py and the tools load through it; it knows nothing of cwgrpo.
 """
 
+import functools
 import json
+import socket
+import urllib.parse
 from pathlib import Path
 
 import datasets
+import huggingface_hub
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+OFFLINE_HINT = "the hub cannot be reached from here, so only what is cached loads"
+
+
+@functools.cache
+def hub_reachable() -> bool:
+    """One quick look (3 s at most) for the hub before anything is loaded from it. Where it
+    cannot be reached, the libraries go offline at once (loading from their cache), instead of
+    retrying each file for half a minute before failing."""
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        return False
+    url = urllib.parse.urlsplit(huggingface_hub.constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=3).close()
+        return True
+    except OSError:
+        huggingface_hub.constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+        return False
+
+
+def hub_hint(name: str) -> str:
+    """What a loading error adds for a name that is no local path, where the hub is out of reach."""
+    return "" if Path(name).exists() or hub_reachable() else f"{OFFLINE_HINT}; "
+
 
 LOCAL_DATA_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -18,6 +47,8 @@ def load_dataset(name: str, split: str, question_column: str, gold_column: str):
     path, local = Path(name), Path(name).suffix in LOCAL_DATA_FORMATS
     if local:
         check_local_data(path)
+    datasets.disable_progress_bars()  # no "Generating train split" bar on every run
+    hub_hint(name)  # an unreachable hub: offline before the first request
     try:
         dataset = (
             datasets.load_dataset(
@@ -30,7 +61,8 @@ def load_dataset(name: str, split: str, question_column: str, gold_column: str):
         hint = (
             "fix the file"
             if local
-            else (
+            else hub_hint(name)
+            + (
                 "check the name, or download it while online (it "
                 "is then read from the cache), or pass a local "
                 ".json/.jsonl/.parquet/.csv file"
@@ -74,11 +106,12 @@ def first_line(error: BaseException) -> str:
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device):
+    hint = hub_hint(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except OSError as e:
         raise SystemExit(
-            f"error: cannot load model '{path}': {first_line(e)} Download it while "
+            f"error: cannot load model '{path}': {first_line(e)} {hint}Download it while "
             f"online (huggingface-cli download {path}) or pass a local folder with "
             f"--model"
         ) from None
@@ -92,18 +125,25 @@ def load_reference(path: str, device: torch.device):
 
 
 def load_tokenizer(path: str):
+    hint = hub_hint(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
     except OSError as e:
-        raise SystemExit(f"error: cannot load the tokenizer of '{path}': {first_line(e)}") from None
+        raise SystemExit(
+            f"error: cannot load the tokenizer of '{path}': {first_line(e)} {hint}".rstrip("; ")
+        ) from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
 def check_model_path(model: str, hint: str = "") -> None:
-    """A model that names a local path (not a hub id "org/name") must exist: one line if not."""
-    if not Path(model).exists() and (model.startswith((".", "/", "~")) or model.count("/") > 1):
+    """A model that names a local path must exist: one line if not. A name is a local path when
+    it starts with . / or ~, has more than one /, or lies in a folder that exists here (runs/x);
+    anything else ("org/name") is a hub id."""
+    path = Path(model).expanduser()
+    local = model.startswith((".", "/", "~")) or model.count("/") > 1 or path.parent.name != ""
+    if not path.exists() and local and (model.count("/") != 1 or path.parent.is_dir()):
         raise SystemExit(f"error: --model {model}: no such folder{hint}")
 
 
@@ -111,3 +151,12 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     ids = model.generation_config.eos_token_id
     ids = [ids] if isinstance(ids, int) else list(ids or [])
     return ids or [tokenizer.eos_token_id]
+
+
+def chat_prompt_ids(tokenizer, question: str, system_prompt: str) -> list[int]:
+    """A question as the model's chat template writes it, ready for the assistant's answer."""
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": question})
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)[
+        "input_ids"
+    ]

@@ -2,11 +2,16 @@
 intervals they draw. It knows nothing of cwgrpo (cwgrpo.py's loop calls it) and loads matplotlib
 only when it draws, so `import cwgrpo` stays free of plotting libraries."""
 
+import codecs
 import html
 import json
 import math
 import statistics
 from pathlib import Path
+
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from runtime import read_records
 
 
 def pyplot():
@@ -50,10 +55,10 @@ T_975 = [
 
 
 def interval(values: list[float]) -> tuple[float, float]:
-    """Mean and the half-width of its 95% Student-t interval (0 for a single value)."""
+    """Mean and the half-width of its 95% Student-t interval (NaN, undefined, for one value)."""
     mean = statistics.fmean(values)
     if len(values) < 2:
-        return mean, 0.0
+        return mean, math.nan
     t = T_975[len(values) - 2] if len(values) <= len(T_975) + 1 else 1.96
     return mean, t * statistics.stdev(values) / math.sqrt(len(values))
 
@@ -134,10 +139,6 @@ def plot_checkpoints(path: Path, table: dict, names: dict) -> None:
     plt.close(figure)
 
 
-def read_records(metrics_path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line]
-
-
 def first_to_last(records: list[dict], key: str) -> tuple[float, float]:
     """The mean of `key` over the first and over the last 10% of the records (at least one)."""
     tail = max(1, len(records) // 10)
@@ -150,11 +151,14 @@ def first_to_last(records: list[dict], key: str) -> tuple[float, float]:
 SUMMARY_KEYS = ("reward_mean", "accuracy_mean", "format_mean", "entropy_mean", "kl_mean")
 
 
-def run_summary(output_dir: Path, wall_s: float, evaluate_command: str) -> str:
+def run_summary(output_dir: Path, wall_s: float, temperature: float, evaluate_command: str) -> str:
     """What a run did, in a few lines: first -> last 10% of each curve, its wall time, and where
     its checkpoints, final model and pictures are."""
     records = read_records(output_dir / "metrics.jsonl")
-    out = [f"done in {wall_s:.0f} s; first -> last 10% of {len(records)} steps:"]
+    out = [
+        f"done in {wall_s:.0f} s; first -> last 10% of {len(records)} steps "
+        f"(completions sampled at temperature {temperature:g}):"
+    ]
     for key in SUMMARY_KEYS:
         first, last = first_to_last(records, key)
         out.append(f"  {key.removesuffix('_mean'):9s} {first:8.3f} -> {last:.3f}")
@@ -165,13 +169,13 @@ def run_summary(output_dir: Path, wall_s: float, evaluate_command: str) -> str:
             f"checkpoints: {', '.join(map(str, checkpoints))}",
             f"final model: {output_dir / 'final-model'}",
             f"pictures:    {output_dir / 'curves.png'} and {output_dir / 'tokens.html'}",
-            f"evaluate it: {evaluate_command}",
+            f"evaluate it: {evaluate_command} (its temperature, not the run's, shapes pass@1)",
         ]
     )
 
 
 def plot_run(metrics_path: Path, path: Path, title: str) -> None:
-    """One small figure of a run's curves: reward and accuracy, entropy, KL, the method's weights."""
+    """One small figure of a run's curves: reward and accuracy, entropy, KL, the weights."""
     records = read_records(metrics_path)
     steps = [r["step"] for r in records]
     plt = pyplot()
@@ -254,8 +258,7 @@ def token_view(
     return {
         "label": label,
         "tokens": [
-            [tokenizer.decode([t]) for t in ids[:n].tolist()]
-            for ids, n in zip(completion_ids, lengths)
+            token_texts(tokenizer, ids[:n].tolist()) for ids, n in zip(completion_ids, lengths)
         ],
         "prob": rows(logp.exp()),
         "cov": rows(cov),
@@ -265,7 +268,28 @@ def token_view(
     }
 
 
-def token_page(path: Path, title: str, method: str, methods: dict, views: list[dict]) -> None:
+def token_texts(tokenizer, ids: list[int]) -> list[str]:
+    """Each token's text. A byte-level BPE token can hold part of a UTF-8 character, which alone
+    decodes to U+FFFD; an incremental decoder gives the character to the token that completes it,
+    and the tokens before it show a middle dot."""
+    byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
+    pieces = tokenizer.convert_ids_to_tokens(ids)
+    if not all(isinstance(p, str) and all(ch in byte_of for ch in p) for p in pieces):
+        return [tokenizer.decode([t]) for t in ids]  # not byte-level: decode token by token
+    special = set(tokenizer.all_special_ids)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    texts = []
+    for token, piece in zip(ids, pieces):
+        if token in special:
+            texts.append(tokenizer.decode([token]))
+            continue
+        texts.append(decoder.decode(bytes(byte_of[ch] for ch in piece)) or "\u00b7")
+    return texts
+
+
+def token_page(
+    path: Path, title: str, method: str, methods: dict, views: list[dict], note: str = ""
+) -> None:
     """A self-contained page of sampled completions, each token coloured by the weight a method
     gives it; a selector shows any other method on the same tokens. views: one per step, each
     {"label", "tokens" (a list of token strings per completion), "prob", "cov" (per token),
@@ -303,7 +327,9 @@ def token_page(path: Path, title: str, method: str, methods: dict, views: list[d
         'down</span><span style="border:1px solid #ccc">w = 1</span><span style="background:'
         'rgba(240,140,20,.6)">w &gt; 1: turned up</span><span style="background:#bbb">w = 0: '
         'silenced</span><span class="touched">dotted underline: loss changed by the method</span>'
-        " Hover a token for its probability, covariance score, advantage and weight.</p>"
+        " Hover a token for its probability, covariance score, advantage and weight. A middle "
+        "dot is a token holding the first bytes of a character the next token completes."
+        f"{' ' + html.escape(note) if note else ''}</p>"
     )
     Path(path).write_text(
         f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>'

@@ -1,7 +1,8 @@
 """runtime.py: the processes and files a training run owns, kept out of cwgrpo.py's algorithm.
 It knows nothing of cwgrpo.
 
-- TimeoutPool: a process pool in which every call has a hard wall-clock limit. A call that overruns has its worker process killed and replaced, and its result is `on_timeout`.
+- TimeoutPool: a process pool in which every call has a hard wall-clock limit. A call that
+  overruns has its worker process killed and replaced, and its result is `on_timeout`.
 Workers ignore Ctrl-C (the parent decides what to do) and exit within a second of their parent's
 death, however it dies. cwgrpo.py grades completions with it: math-verify's own timeout uses
 SIGALRM, which works only on a main thread and cannot interrupt every hang (sympy evaluating
@@ -9,7 +10,11 @@ SIGALRM, which works only on a main thread and cannot interrupt every hang (symp
 - Checkpoints written atomically, the RNG states they hold, and metrics trimmed on resume.
 """
 
+import argparse
+import contextlib
 import ctypes
+import dataclasses
+import difflib
 import fcntl
 import json
 import logging
@@ -26,6 +31,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from tqdm import tqdm
+from transformers import HfArgumentParser
 
 
 def _serve(fn: Callable, conn, parent_pid: int) -> None:
@@ -117,6 +124,16 @@ class TimeoutPool:
     def map(self, calls: list[tuple]) -> list:
         return self.submit(calls).result()
 
+    @property
+    def size(self) -> int:
+        return len(self.workers)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.close()
+
     def close(self) -> None:
         self.threads.shutdown(wait=True, cancel_futures=True)
         for worker in self.workers:
@@ -155,18 +172,56 @@ class CachedTimeoutPool(TimeoutPool):
         return self.submit(calls)()
 
 
-def save_checkpoint(output_dir: Path, name: str, model, tokenizer, trainer_state=None) -> Path:
+def save_checkpoint(
+    output_dir: Path, name: str, model, tokenizer, trainer_state=None, files: dict | None = None
+) -> Path:
     """Written under a temporary name and renamed at the end: a crash mid-save leaves no
-    complete-looking checkpoint."""
+    complete-looking checkpoint, and a save that fails (a full disk, say) stops in one line with
+    the previous checkpoint intact. files: name -> text, written into the checkpoint too."""
     final, partial = output_dir / name, output_dir / f".{name}.partial"
     shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    if trainer_state is not None:
-        torch.save(trainer_state, partial / "trainer_state.pt")
+    check_free_disk(output_dir, name, model)
+    try:
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        for file_name, text in (files or {}).items():
+            (partial / file_name).write_text(text)
+        if trainer_state is not None:
+            torch.save(trainer_state, partial / "trainer_state.pt")
+    except OSError as error:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise SystemExit(
+            f"error: could not write {final} ({error.strerror or error}); "
+            f"{kept_checkpoint(output_dir)}; free space and resume with: {resume_command()}"
+        ) from None
     shutil.rmtree(final, ignore_errors=True)
     os.replace(partial, final)
     return final
+
+
+def checkpoint_bytes(model) -> int:
+    """What a checkpoint of `model` holds: its weights as they are, and AdamW's two moments in fp32
+    (trainer_state.pt); tokenizer and configs are small."""
+    parameters = list(model.parameters())
+    return sum(p.numel() * p.element_size() for p in parameters) + 8 * sum(
+        p.numel() for p in parameters if p.requires_grad
+    )
+
+
+def check_free_disk(output_dir: Path, name: str, model) -> None:
+    """Stop before a save the disk cannot hold, rather than halfway through it."""
+    needed, free = checkpoint_bytes(model), shutil.disk_usage(output_dir).free
+    if free < needed:
+        raise SystemExit(
+            f"error: {output_dir / name} needs about {needed / 1e9:.2f} GB and "
+            f"{free / 1e9:.2f} GB are free; {kept_checkpoint(output_dir)}; free space and resume "
+            f"with: {resume_command()}"
+        )
+
+
+def kept_checkpoint(output_dir: Path) -> str:
+    latest = latest_checkpoint(output_dir)
+    return f"{latest} is intact" if latest else "no checkpoint was written yet"
 
 
 def latest_checkpoint(output_dir: Path) -> Path | None:
@@ -192,15 +247,69 @@ def set_rng_states(states: dict) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
+def append_record(path: Path, record: dict) -> None:
+    """One JSON line, flushed at once: a kill mid-write can leave at most a torn last line, which
+    keep_records_until drops."""
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def read_records(path: Path) -> list[dict]:
+    """The records of a .jsonl log; a line torn by a kill mid-write (only the last can be) is left
+    out."""
+    records = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
 def keep_records_until(path: Path, rollout_step: int) -> None:
-    """On resume, drop the records of steps after the checkpoint: they are about to be redone."""
+    """On resume, drop the records of steps after the checkpoint (they are about to be redone) and
+    any torn line; rewritten atomically, so a kill here loses nothing."""
     if path.exists():
-        kept = [
-            line
-            for line in path.read_text().splitlines()
-            if line and json.loads(line)["rollout_step"] <= rollout_step
-        ]
-        path.write_text("".join(line + "\n" for line in kept))
+        kept = [r for r in read_records(path) if r["rollout_step"] <= rollout_step]
+        write_atomically(path, "".join(json.dumps(r) + "\n" for r in kept))
+
+
+def write_atomically(path: Path, text: str) -> None:
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
+WARNED: set[str] = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """Print a warning the first time `key` comes up in this process, and never again."""
+    if key not in WARNED:
+        WARNED.add(key)
+        print(message, file=sys.stderr, flush=True)
+
+
+class Progress:
+    """A tqdm bar on a terminal; elsewhere (a log file) one plain line every `every` steps, so a
+    log holds a few lines rather than hundreds of bar redraws."""
+
+    def __init__(self, start: int, total: int, label: str, every: int):
+        self.done, self.total, self.label, self.every = start, total, label, every
+        self.bar = tqdm(initial=start, total=total, desc=label) if sys.stderr.isatty() else None
+
+    def step(self, **figures) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(figures)
+        elif self.done % self.every == 0 or self.done == self.total:
+            shown = ", ".join(f"{name} {value}" for name, value in figures.items())
+            print(f"{self.label}: step {self.done}/{self.total}, {shown}", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 class RunLock:
@@ -231,6 +340,9 @@ class RunLock:
         return self
 
     def __exit__(self, *_) -> None:
+        if [p.name for p in self.path.parent.iterdir()] == [".lock"]:  # a run that wrote nothing
+            self.path.unlink()
+            self.path.parent.rmdir()
         self.file.close()  # releases the lock
 
 
@@ -307,18 +419,90 @@ def bf16_autocast(device: torch.device):
     return lambda: torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
-def check_resumable(output_dir: Path, resume: bool) -> None:
-    if resume and latest_checkpoint(output_dir) is None:
+def check_resumable(output_dir: Path, resume: bool) -> Path | None:
+    """The checkpoint a --resume continues from (None without --resume)."""
+    if not resume:
+        return None
+    checkpoint = latest_checkpoint(output_dir)
+    if checkpoint is None:
         raise SystemExit(
             f"error: --resume, but {output_dir} holds no complete checkpoint; "
             f"drop --resume to start afresh"
         )
+    return checkpoint
 
 
-def prepare_output_dir(output_dir: Path, resume: bool, overwrite: bool, config: dict) -> Path:
-    """A run's folder, emptied for --overwrite-output-dir, with its run_config.json. Called
-    holding the folder's lock (which it keeps)."""
-    if (output_dir / "metrics.jsonl").exists() and not resume:
+def option_differences(recorded: dict, options: dict, may_change: tuple = ()) -> list[str]:
+    """Where `options` differ from a run's recorded ones, as '--name recorded -> now'. Resume and
+    overwrite are how a run is started, not what it is."""
+    ignored = (*may_change, "resume", "overwrite_output_dir")
+    return [
+        f"--{name} {recorded[name]!r} -> {value!r}"
+        for name, value in options.items()
+        if name in recorded and name not in ignored and recorded[name] != value
+    ]
+
+
+def check_resume(checkpoint: Path, options: dict, steps: int, may_change: tuple) -> bool:
+    """A resume continues the run it finds with that run's options: one line naming any that
+    differ but `may_change`. True when the run has nothing left to do."""
+    recorded = recorded_options(checkpoint)
+    differences = option_differences(recorded, options, may_change)
+    if differences:
+        raise SystemExit(
+            f"error: --resume with options other than {checkpoint}'s: {'; '.join(differences)}; "
+            f"resume with the run's own options or start another --output-dir (a resume may "
+            f"change only --{', --'.join(may_change)})"
+        )
+    done = int(checkpoint.name.split("-")[1])
+    if done >= steps and (checkpoint.parent / "final-model").is_dir():
+        print(
+            f"nothing to do: {checkpoint.parent} has finished its {done} steps "
+            f"(a larger --steps extends it)"
+        )
+        return True
+    if recorded["steps"] != steps:
+        print(
+            f"note: --steps {steps} (was {recorded['steps']}): the cosine learning-rate schedule "
+            f"is recomputed over the new total"
+        )
+    return False
+
+
+def recorded_options(checkpoint: Path) -> dict:
+    """The options a checkpoint was written with; older checkpoints: those of its run."""
+    own = checkpoint / "run_config.json"
+    return json.loads((own if own.exists() else checkpoint.parent / "run_config.json").read_text())
+
+
+@contextlib.contextmanager
+def never_fatal(what: str):
+    """Pictures never cost a run: a failure inside warns once, in one line, and the run goes on."""
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001 - whatever broke, training is worth more
+        message = (str(error).strip().splitlines() or [""])[0]
+        warn_once(
+            what,
+            f"warning: could not {what} ({type(error).__name__}: {message}); "
+            f"training goes on without it",
+        )
+
+
+def prepare_output_dir(
+    output_dir: Path, resume_from: Path | None, overwrite: bool, config: dict
+) -> Path:
+    """A run's folder, emptied for --overwrite-output-dir, with its run_config.json; a resume
+    keeps the record and adds to its "resumes" what it changed. Called holding the folder's
+    lock (which it keeps)."""
+    record = output_dir / "run_config.json"
+    if resume_from is not None and record.exists():
+        recorded = json.loads(record.read_text())
+        changed = {k: [recorded.get(k), v] for k, v in config.items() if recorded.get(k) != v}
+        recorded.setdefault("resumes", []).append({"from": resume_from.name, "changed": changed})
+        write_atomically(record, json.dumps(recorded, indent=2))
+        return output_dir
+    if (output_dir / "metrics.jsonl").exists():
         if not overwrite:
             raise SystemExit(
                 f"error: {output_dir} already holds a run; pass --resume to continue "
@@ -328,5 +512,43 @@ def prepare_output_dir(output_dir: Path, resume: bool, overwrite: bool, config: 
         for entry in output_dir.iterdir():
             if entry.name != ".lock":
                 shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
-    (output_dir / "run_config.json").write_text(json.dumps(config, indent=2))
+    write_atomically(record, json.dumps(config, indent=2))
     return output_dir
+
+
+def arg(default, help: str, **metadata):
+    """A dataclass field with its --help text, for HfArgumentParser."""
+    return dataclasses.field(default=default, metadata={"help": help, **metadata})
+
+
+def parse_dataclasses(
+    types: tuple, argv: list, defaults: dict | None = None, hidden: tuple = (), **parser_options
+) -> list:
+    """HfArgumentParser over `types`, with `defaults` in place of the fields' own. Options must be
+    spelt out (no abbreviations: --method is never read as --methods); an unknown one stops in one
+    line naming the closest real option. `hidden` options are left out of --help."""
+    parser = HfArgumentParser(types, allow_abbrev=False, **parser_options)
+    parser.set_defaults(**(defaults or {}))
+    for action in parser._actions:
+        if action.dest in hidden:
+            action.help = argparse.SUPPRESS
+        elif action.option_strings and action.option_strings[0].startswith("--no_"):
+            action.help = f"turn off --{action.dest}"  # HfArgumentParser repeats the field's help
+    *parsed, unknown = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
+    if unknown:
+        raise SystemExit(unknown_option_error(unknown, parser))
+    return parsed
+
+
+def unknown_option_error(unknown: list[str], parser: argparse.ArgumentParser) -> str:
+    """One line for the first unknown command-line word: the closest option by its initials
+    (--lr: --learning_rate) or spelling (--metod: --method)."""
+    word = next((w for w in unknown if w.startswith("-")), None)
+    if word is None:
+        return f"error: unexpected argument {unknown[0]!r}; options start with --, see --help"
+    name = word.lstrip("-").split("=")[0].replace("-", "_")
+    options = [a.dest for a in parser._actions if a.option_strings and a.help != argparse.SUPPRESS]
+    initials = [o for o in options if "".join(part[0] for part in o.split("_")) == name]
+    close = initials or difflib.get_close_matches(name, options, n=1, cutoff=0.6)
+    hint = f"; did you mean --{close[0]}?" if close else "; see --help for the options"
+    return f"error: unknown option {word.split('=')[0]}{hint}"

@@ -8,10 +8,13 @@ import dataclasses
 import json
 import math
 import os
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -23,6 +26,7 @@ import ablate  # noqa: E402
 import cwgrpo  # noqa: E402
 import diagnose  # noqa: E402
 import plots  # noqa: E402
+import runtime  # noqa: E402
 import sampling  # noqa: E402
 import tiny  # noqa: E402
 from cwgrpo import Grader, cw_weights, format_reward, grade_accuracy, group_advantages  # noqa: E402
@@ -428,7 +432,7 @@ def test_bad_paths_and_data_stop_before_any_model_is_loaded(tmp_path, tiny_args,
     assert "holds no complete checkpoint; drop --resume" in refused("--resume")
     assert (
         refused("--model", str(tmp_path / "no" / "model"))
-        == f"error: --model {tmp_path / 'no' / 'model'}: no such folder (build it with: python tiny.py)"
+        == f"error: --model {tmp_path / 'no' / 'model'}: no such folder"
     )
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
@@ -533,7 +537,7 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_run, tmp_path, TINY_RUN):
     shutil.rmtree(crashed / "checkpoint-4")
     shutil.rmtree(crashed / "final-model")
     (crashed / ".checkpoint-4.partial").mkdir()
-    assert cwgrpo.latest_checkpoint(crashed).name == "checkpoint-2"
+    assert runtime.latest_checkpoint(crashed).name == "checkpoint-2"
     cwgrpo.train(cwgrpo.parse_config([*TINY_RUN, "--output-dir", str(crashed), "--resume"]))
     assert read_metrics(crashed / "metrics.jsonl") == read_metrics(tiny_run / "metrics.jsonl")
 
@@ -963,7 +967,10 @@ def test_evaluate_checkpoints_writes_the_stability_table(tiny_run, tmp_path):
 
 def test_interval_by_hand():
     assert plots.interval([1.0, 2.0, 3.0]) == pytest.approx((2.0, 4.303 / math.sqrt(3)))
-    assert plots.interval([5.0]) == (5.0, 0.0)
+    mean, half = plots.interval([5.0])  # one seed: no interval
+    assert mean == 5.0 and math.isnan(half)
+    assert ablate.cell([5.0]) == "5.000 ± n/a"
+    assert ablate.difference([5.0], [4.0]) == "+1.000 ± n/a"  # and never bold
 
 
 @pytest.mark.slow
@@ -1485,7 +1492,9 @@ class PageParser(HTMLParser):
 def test_a_run_leaves_its_curves_and_a_valid_small_token_page(tiny_run):
     assert (tiny_run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     page = (tiny_run / "tokens.html").read_text()
-    views = json.loads((tiny_run / "token_views.json").read_text())
+    views = torch.load(tiny_run / "checkpoint-4" / "trainer_state.pt", weights_only=False)[
+        "token_views"
+    ]
     assert [v["label"] for v in views] == ["step 1", "step 4"]
     assert len(page.encode()) < 300_000
     parser = PageParser()
@@ -1537,7 +1546,7 @@ def test_token_view_weights_are_the_methods_weights(tiny_base):
     cw = cwgrpo.cw_weights(logp, rollout.advantages, mask)
     for i, tokens in enumerate(view["tokens"]):
         n = int(mask[i].sum())
-        assert tokens == [tokenizer.decode([t]) for t in rollout.completion_ids[i, :n].tolist()]
+        assert tokens == plots.token_texts(tokenizer, rollout.completion_ids[i, :n].tolist())
         assert view["weights"]["cw"][i] == pytest.approx(cw[i, :n].tolist(), rel=1e-3)
         assert view["weights"]["grpo"][i] == [1.0] * n
         assert view["prob"][i] == pytest.approx(logp[i, :n].exp().tolist(), rel=1e-3)
@@ -1739,3 +1748,548 @@ def test_gold_is_parsed_with_first_match_as_the_released_reward():
     gold = "$\\boxed{\\frac{1}{}}$ so the answer is $5$"
     assert grade_accuracy("\\boxed{5}", gold).accuracy == 0.0
     assert grade_accuracy("\\boxed{5}", "so the answer is $5$").accuracy == 1.0
+
+
+# ------------------------------------------------------------- whole runs: kill anywhere, faults
+# A tiny run is killed (SIGKILL) at the Nth call of a named function (faults.py), then resumed;
+# the resumed run must finish with one record per step, equal bit for bit to an uninterrupted run
+# (all keys but timings), and no grading worker may outlive the kill.
+FAULT_STEPS = ["--steps", "6", "--save-every", "2", "--threads", "1", "--reward-workers", "1"]
+KILL_POINTS = {  # CWGRPO_FAULT -> where the run dies
+    "sampling:sample_tokens:3": "sampling step 3",
+    "cwgrpo:Grader.submit:3:after": "grading step 3, workers busy",
+    "cwgrpo:policy_token_stats:4": "step 3's reference pass (calls: ref 1, page 1, ref 2, ref 3)",
+    "cwgrpo:accumulate_gradients:3:after": "step 3's update, after backward, before the step",
+    "torch.optim:AdamW.step:5:after": "step 5's update, after the optimizer step",
+    "cwgrpo:append_record:3:torn": "writing step 3's record to metrics.jsonl (half a line)",
+    "transformers:PreTrainedModel.save_pretrained:2:after": "checkpoint-4: weights written",
+    "transformers:PreTrainedTokenizerBase.save_pretrained:2:after": "checkpoint-4: tokenizer",
+    "torch:save:2:after": "checkpoint-4: trainer state written, not yet renamed",
+    "plots:plot_run:1": "just after checkpoint-2 is complete, before its pictures",
+    "plots:token_page:2": "drawing checkpoint-4's token page",
+    "cwgrpo:save_checkpoint:4": "after every step, before final-model is written",
+}
+
+
+def fault_run(args, fault=None, marker="", timeout=300):
+    """python faults.py cwgrpo ARGS, with CWGRPO_FAULT if given; marker tags its processes."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "CWGRPO_TEST_MARKER": marker}
+    env.pop("CWGRPO_FAULT", None)
+    if fault:
+        env["CWGRPO_FAULT"] = fault
+    return subprocess.run(
+        [sys.executable, str(HERE / "faults.py"), "cwgrpo", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=HERE,
+    )
+
+
+def processes_tagged(marker: str) -> list[int]:
+    """Live processes whose environment holds CWGRPO_TEST_MARKER=marker."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if f"CWGRPO_TEST_MARKER={marker}".encode() in environ.read_bytes().split(b"\0"):
+                found.append(int(environ.parent.name))
+        except OSError:
+            continue
+    return [pid for pid in found if alive(pid)]
+
+
+def kill_and_resume(fault: str, out: Path, tiny_args) -> dict:
+    args = [*tiny_args, *FAULT_STEPS, "--output-dir", str(out)]
+    marker = f"{out}-{time.time()}"
+    killed = fault_run(args, fault, marker)
+    deadline = time.time() + 5  # workers die within a second of their parent (runtime.py)
+    while processes_tagged(marker) and time.time() < deadline:
+        time.sleep(0.1)
+    survivors = processes_tagged(marker)
+    resumed = fault_run([*args, "--resume"] if (out / "metrics.jsonl").exists() else args)
+    return {"killed": killed, "survivors": survivors, "resumed": resumed}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_fault_run(tiny_args, tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted") / "run"
+    done = fault_run([*tiny_args, *FAULT_STEPS, "--output-dir", str(out)])
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def killed_runs(tiny_args, tmp_path_factory, uninterrupted_fault_run):
+    """Every kill point, two at a time (one per core)."""
+    root = tmp_path_factory.mktemp("killed")
+    with ThreadPoolExecutor(2) as pool:
+        jobs = {
+            fault: pool.submit(kill_and_resume, fault, root / f"run{i}", tiny_args)
+            for i, fault in enumerate(KILL_POINTS)
+        }
+        return {
+            fault: (job.result(), root / f"run{i}") for i, (fault, job) in enumerate(jobs.items())
+        }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", list(KILL_POINTS))
+def test_a_run_killed_anywhere_resumes_to_the_uninterrupted_run(
+    fault, killed_runs, uninterrupted_fault_run
+):
+    result, out = killed_runs[fault]
+    assert result["killed"].returncode == -signal.SIGKILL, result["killed"].stderr[-2000:]
+    assert result["survivors"] == [], "grading workers outlived the kill"
+    assert result["resumed"].returncode == 0, result["resumed"].stderr[-2000:]
+    resumed, expected = (
+        read_metrics(out / "metrics.jsonl"),
+        read_metrics(uninterrupted_fault_run / "metrics.jsonl"),
+    )
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]  # exactly one record per step
+    assert resumed == expected  # bit for bit, all keys but timings
+    assert (out / "final-model" / "config.json").is_file()
+    assert (out / "tokens.html").is_file() and (out / "curves.png").is_file()
+    assert not list(out.glob(".*.partial"))
+
+
+@pytest.mark.slow
+def test_a_failed_save_keeps_the_previous_checkpoint_stops_in_one_line_and_resumes(
+    tiny_args, tmp_path, uninterrupted_fault_run
+):
+    out = tmp_path / "run"
+    args = [*tiny_args, *FAULT_STEPS, "--output-dir", str(out)]
+    full = fault_run(args, "torch:save:2:enospc")  # checkpoint-4's trainer state: disk full
+    assert full.returncode == 1
+    assert full.stderr.strip().splitlines()[-1] == (
+        f"error: could not write {out / 'checkpoint-4'} (No space left on device); "
+        f"{out / 'checkpoint-2'} is intact; free space and resume with: python cwgrpo.py "
+        f"{shlex.join(args)} --resume"
+    )
+    assert "Traceback" not in full.stderr
+    assert not (out / ".checkpoint-4.partial").exists() and not (out / "checkpoint-4").exists()
+    assert (out / "checkpoint-2" / "trainer_state.pt").is_file()
+    resumed = fault_run([*args, "--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert read_metrics(out / "metrics.jsonl") == read_metrics(
+        uninterrupted_fault_run / "metrics.jsonl"
+    )
+
+
+@pytest.mark.slow
+def test_a_save_the_disk_cannot_hold_stops_before_writing(tiny_args, tmp_path, monkeypatch):
+    real = shutil.disk_usage
+    monkeypatch.setattr(
+        runtime.shutil,
+        "disk_usage",
+        lambda p: real(p)._replace(free=100_000),  # < the model
+    )
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as error:
+        cwgrpo.main([*tiny_args, "--steps", "2", "--save-every", "2", "--output-dir", str(out)])
+    message = str(error.value)
+    assert (
+        message.startswith(f"error: {out / 'checkpoint-2'} needs about 0.00")
+        and "\n" not in message
+    )
+    assert "0.00 GB are free; no checkpoint was written yet; free space and resume" in message
+    assert not (out / ".checkpoint-2.partial").exists()
+
+
+@pytest.mark.slow
+def test_drawing_that_fails_warns_once_and_the_run_trains_on(tiny_args, tmp_path):
+    out = tmp_path / "run"
+    (out / "curves.png").mkdir(parents=True)  # savefig cannot write a folder
+    done = run_cli(*tiny_args, "--steps", "4", "--save-every", "1", "--output-dir", str(out))
+    assert done.returncode == 0, done.stderr
+    warnings = [line for line in done.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: could not draw curves.png (")
+    assert [int(p.name.split("-")[1]) for p in sorted(out.glob("checkpoint-*"))] == [1, 2, 3, 4]
+    assert (out / "tokens.html").is_file()  # the other picture is still drawn
+    assert len(read_metrics(out / "metrics.jsonl")) == 4
+
+
+# -------------------------------------------------- degenerate batches, every method, the CLI
+@pytest.fixture(scope="session")
+def eos_first_model(tiny_base, tmp_path_factory):
+    """The tiny model with every token listed as EOS: every completion ends at its first token."""
+    out = tmp_path_factory.mktemp("eos-first") / "model"
+    shutil.copytree(tiny_base / "model", out)
+    config = json.loads((out / "generation_config.json").read_text())
+    config["eos_token_id"] = list(
+        range(json.loads((out / "config.json").read_text())["vocab_size"])
+    )
+    (out / "generation_config.json").write_text(json.dumps(config))
+    return out
+
+
+def single_valid_token(sample):
+    """The real sampler, with every token of the first group but its first one masked out."""
+
+    def wrapped(*args, **kwargs):
+        rollout = sample(*args, **kwargs)
+        group = args[3].group_size
+        rollout.completion_mask[:group] = 0
+        rollout.completion_mask[0, 0] = 1
+        return rollout
+
+    return wrapped
+
+
+def prompt_length(tiny_base) -> int:
+    tokenizer = cwgrpo.load_tokenizer(str(tiny_base / "model"))
+    return len(cwgrpo.chat_prompt_ids(tokenizer, "1+2", ""))  # every tiny question is a+b
+
+
+DEGENERATE = ["all-masked", "equal-rewards", "eos-at-once", "one-valid-token", "prompt-at-limit"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", DEGENERATE)
+def test_every_method_trains_on_a_degenerate_batch_with_the_pictures_on(
+    case, tiny_args, tiny_base, eos_first_model, tmp_path, monkeypatch
+):
+    small = [
+        "--steps",
+        "2",
+        "--save-every",
+        "1",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "4",
+        "--groups-per-micro-batch",
+        "2",
+        "--reward-workers",
+        "1",
+    ]
+    extra = {
+        "all-masked": ["--mask-truncated-completions", "--max-completion-length", "2"],
+        "equal-rewards": ["--accuracy-weight", "0", "--format-weight", "0"],
+        "eos-at-once": ["--model", str(eos_first_model)],
+        "one-valid-token": [],
+        "prompt-at-limit": [
+            "--max-prompt-length",
+            str(prompt_length(tiny_base)),
+            "--length-limit",
+            "total",
+            "--max-completion-length",
+            str(prompt_length(tiny_base) + 1),
+        ],
+    }[case]
+    if case == "one-valid-token":
+        monkeypatch.setattr(cwgrpo, "sample", single_valid_token(cwgrpo.sample))
+    for method in cwgrpo.METHODS:
+        out = tmp_path / method
+        cwgrpo.main([*tiny_args, *small, *extra, "--method", method, "--output-dir", str(out)])
+        records = read_metrics(out / "metrics.jsonl")
+        assert len(records) == 2 * cwgrpo.METHODS[method].update_passes, method
+        for record in records:
+            numbers = {k: v for k, v in record.items() if isinstance(v, float)}
+            assert all(math.isfinite(v) for v in numbers.values()), (method, record)
+        assert (out / "final-model" / "config.json").is_file() and (out / "tokens.html").is_file()
+        if case == "all-masked":
+            assert all(r["truncated_frac"] == 1 and r["grad_norm"] == 0 for r in records), method
+        if case == "equal-rewards":
+            assert all(r["reward_std"] == 0 and r["grad_norm"] == 0 for r in records), method
+        if case == "eos-at-once":
+            assert all(r["completion_len_mean"] == 1 for r in records), method
+        if case == "prompt-at-limit":
+            assert all(r["prompts_skipped"] == 0 and r["completion_len_mean"] == 1 for r in records)
+
+
+# ----------------------------------------------------- silent or misleading, as a user meets it
+@pytest.mark.slow
+def test_a_resume_with_other_options_is_refused_and_the_record_kept(tiny_args, tmp_path):
+    out = tmp_path / "run"
+    first = run_cli(
+        *tiny_args, "--method", "cw", "--steps", "4", "--save-every", "2", "--output-dir", str(out)
+    )
+    assert first.returncode == 0, first.stderr
+    (out / "final-model").rename(tmp_path / "moved")  # an unfinished run's folder
+    shutil.rmtree(out / "checkpoint-4")
+    record = (out / "run_config.json").read_text()
+    refused = run_cli(
+        *tiny_args,
+        "--method",
+        "grpo",
+        "--steps",
+        "4",
+        "--save-every",
+        "2",
+        "--output-dir",
+        str(out),
+        "--resume",
+    )
+    assert refused.returncode == 1
+    line = refused.stderr.strip()
+    assert line.startswith(
+        f"error: --resume with options other than {out / 'checkpoint-2'}'s: "
+        "--method 'cw' -> 'grpo'; resume with the run's own options"
+    )
+    assert "--steps, --save_every, --log_every, --reward_workers, --output_dir" in line
+    assert "\n" not in line and (out / "run_config.json").read_text() == record
+    extended = run_cli(
+        *tiny_args,
+        "--method",
+        "cw",
+        "--steps",
+        "5",
+        "--save-every",
+        "2",
+        "--output-dir",
+        str(out),
+        "--resume",
+    )
+    assert extended.returncode == 0, extended.stderr
+    assert (
+        "note: --steps 5 (was 4): the cosine learning-rate schedule is recomputed"
+        in extended.stdout
+    )
+    recorded = json.loads((out / "run_config.json").read_text())
+    assert recorded["method"] == "cw" and recorded["steps"] == 4  # the run as it was started
+    assert recorded["resumes"] == [{"from": "checkpoint-2", "changed": {"steps": [4, 5]}}]
+    again = run_cli(
+        *tiny_args,
+        "--method",
+        "cw",
+        "--steps",
+        "5",
+        "--save-every",
+        "2",
+        "--output-dir",
+        str(out),
+        "--resume",
+    )
+    assert again.returncode == 0
+    assert f"nothing to do: {out} has finished its 5 steps" in again.stdout
+    assert "done in" not in again.stdout  # no retraining, no summary
+
+
+@pytest.mark.slow
+def test_ablate_never_reuses_a_run_made_with_other_options(tmp_path, tiny_base):
+    base = ["--methods", "grpo", "--seeds", "1", "--no-plot", "--output-dir", str(tmp_path)]
+    run_args = [
+        "--",
+        "--model",
+        str(tiny_base / "model"),
+        "--dataset",
+        str(tiny_base / "arithmetic.jsonl"),
+    ]
+    ablate.ablate([*base, *run_args, "--steps", "2"])
+    with pytest.raises(SystemExit) as error:
+        ablate.ablate([*base, *run_args, "--steps", "3"])
+    assert str(error.value) == (
+        f"error: 1 runs in {tmp_path} were made with other options: grpo-seed0 (--steps 2 -> 3); "
+        f"pass --rerun-changed to redo them, or choose another --output-dir"
+    )
+    ablate.ablate([*base, "--rerun-changed", *run_args, "--steps", "3"])
+    assert len(read_metrics(tmp_path / "grpo-seed0" / "metrics.jsonl")) == 3
+    table = (tmp_path / "ablation.md").read_text()
+    assert "± n/a" in table and "± 0.000" not in table  # one seed: no interval
+
+
+@pytest.mark.parametrize(
+    "tool,argv,expected",
+    [
+        ("cwgrpo.py", ["--metod", "cw"], "error: unknown option --metod; did you mean --method?"),
+        (
+            "cwgrpo.py",
+            ["--lr", "1e-3"],
+            "error: unknown option --lr; did you mean --learning_rate?",
+        ),
+        ("cwgrpo.py", ["--meth", "cw"], "error: unknown option --meth; did you mean --method?"),
+        ("evaluate.py", ["--modle", "x"], "error: unknown option --modle; did you mean --model?"),
+        (
+            "diagnose.py",
+            ["batch", "--presett", "tiny"],
+            "error: unknown option --presett; did you mean --preset?",
+        ),
+        (
+            "ablate.py",
+            ["--method", "cw"],
+            "error: unknown option --method; did you mean --methods?",
+        ),
+    ],
+)
+def test_a_misspelt_or_abbreviated_option_is_one_line_naming_the_closest(tool, argv, expected):
+    done = subprocess.run(
+        [sys.executable, str(HERE / tool), *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=HERE,
+    )
+    assert done.returncode == 1
+    assert done.stderr.strip() == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["evaluate.py", "--model", "runs/nope"],
+        ["diagnose.py", "batch", "--preset", "tiny", "--model", "runs/nope"],
+    ],
+)
+def test_a_missing_local_model_is_one_line_at_once_and_leaves_no_folder(argv, tmp_path):
+    (tmp_path / "runs").mkdir()
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, str(HERE / argv[0]), *argv[1:]],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert time.perf_counter() - start < 30
+    assert done.stderr.strip() == "error: --model runs/nope: no such folder"
+    assert not (tmp_path / "eval").exists()
+
+
+@pytest.mark.slow
+def test_an_unreachable_hub_fails_fast_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "CUDA_VISIBLE_DEVICES": ""}
+    start = time.perf_counter()
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(HERE / "cwgrpo.py"),
+            "--method",
+            "cw",
+            "--device",
+            "cpu",
+            "--output-dir",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert time.perf_counter() - start < 20  # the libraries' retries took 27 s
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert "the hub cannot be reached from here, so only what is cached loads" in done.stderr
+    assert not (tmp_path / "run").exists()  # a run that failed early leaves no folder
+
+
+@pytest.mark.slow
+def test_a_first_run_builds_the_tiny_model_says_so_and_is_quiet(tmp_path):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(HERE / "cwgrpo.py"),
+            "--preset",
+            "tiny",
+            "--steps",
+            "12",
+            "--save-every",
+            "12",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("building the tiny preset's model and data in runs/tiny-base") == 1
+    assert (tmp_path / "runs" / "tiny-base" / "model" / "config.json").is_file()
+    output = done.stdout + done.stderr
+    for noise in ("past_key_values", "Generating train split", "Writing model shards", "it/s]"):
+        assert noise not in output
+    progress = [line for line in done.stdout.splitlines() if line.startswith("cw: step")]
+    assert progress == ["cw: step 10/12, " + progress[0].split(", ", 1)[1], progress[1]]
+    assert progress[1].startswith("cw: step 12/12, reward ")
+    rebuilt = subprocess.run(
+        [sys.executable, str(HERE / "tiny.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert "building" not in rebuilt.stdout and rebuilt.stdout.startswith("ready: runs/tiny-base")
+
+
+def test_help_texts_say_what_each_option_does():
+    parser_help = subprocess.run(
+        [sys.executable, str(HERE / "cwgrpo.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    flat = " ".join(parser_help.split())
+    assert "turn off --gradient_checkpointing" in flat
+    assert "stapo: silence tokens with p below this" in flat
+    assert "Defaults shown: --preset paper-1.5b's." in flat
+    tiny_help = subprocess.run(
+        [sys.executable, str(HERE / "cwgrpo.py"), "--preset", "tiny", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    assert "Defaults shown: --preset tiny's." in " ".join(tiny_help.split())
+    batch = subprocess.run(
+        [sys.executable, str(HERE / "diagnose.py"), "batch", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    assert "--reference_model" in batch
+    assert all(f"--{o} " not in batch for o in ("resume", "steps", "save_every"))
+    top = subprocess.run(
+        [sys.executable, str(HERE / "diagnose.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert top.returncode == 0
+    assert all(f"  {c} " in top.stdout for c in ("batch", "train", "plot"))
+    ablate_help = subprocess.run(
+        [sys.executable, str(HERE / "ablate.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    assert "turn off --plot" in " ".join(ablate_help.split())
+
+
+def test_kl_cov_on_a_group_with_no_valid_token_penalises_nothing():
+    group = make_group(torch.zeros(4, 0), torch.tensor([1.0, -1.0, 0.5, 0.0]), torch.zeros(4, 0))
+    terms = cwgrpo.kl_cov(group, method_cfg())
+    assert terms.extra.shape == (4, 0)  # topk(1) of nothing raised "selected index k out of range"
+
+
+def test_lopti_shows_both_passes_on_the_token_page():
+    names = [name for name, *_ in cwgrpo.method_passes()]
+    assert names.count("lopti") == 1 and "lopti, pass 2" in names and "ar_lopti, pass 2" in names
+    about = {name: text for name, _, _, text in cwgrpo.method_passes()}
+    assert about["lopti, pass 2"] == "lopti's pass 2, on the tokens pass 1 left out"
+
+
+def test_split_byte_tokens_show_their_character_once_complete():
+    tokenizer = tiny.byte_level_qwen2_tokenizer()
+    ids = tokenizer("é=1", add_special_tokens=False)["input_ids"]
+    assert len(ids) == 4  # é is two bytes, so two byte tokens
+    assert plots.token_texts(tokenizer, ids + [tokenizer.eos_token_id]) == [
+        "\u00b7",
+        "é",
+        "=",
+        "1",
+        "<|im_end|>",
+    ]
+
+
+def test_ties_fill_every_decile():
+    values = torch.cat([torch.zeros(60), torch.linspace(-1, 1, 40)])  # 60% of the scores are 0
+    sizes = [int(m.sum()) for m in diagnose.quantile_masks(values, 10)]
+    assert sizes == [10] * 10
+
+
+def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"rollout_step": 1}\n{"rollout_step": 2}\n{"rollout_st')
+    runtime.keep_records_until(path, 5)
+    assert path.read_text() == '{"rollout_step": 1}\n{"rollout_step": 2}\n'

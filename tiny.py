@@ -1,7 +1,7 @@
 """tiny.py: the tiny preset's model and data, built once so that cwgrpo.py trains it like any other.
 
-    python tiny.py                                # writes runs/tiny-base/{model,arithmetic.jsonl}
-    python cwgrpo.py --method cw --preset tiny    # then trains it, in about a minute on a CPU
+    python cwgrpo.py --method cw --preset tiny    # builds it on first use, then trains it
+    python tiny.py --overwrite                    # rebuilds runs/tiny-base/{model,arithmetic.jsonl}
 
 A Qwen2 of 115k parameters with Qwen2's byte-level tokenizer (256 byte tokens and the ChatML
 specials), given a few seconds of supervised warm-start on a synthetic task: single-digit sums
@@ -10,17 +10,22 @@ The warm-start teaches the format and three candidate sums per question, one rig
 learn which one is right.
 """
 
+import dataclasses
 import json
 import random
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
 import torch
+import transformers
 from tqdm import tqdm
-from transformers import HfArgumentParser, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-import cwgrpo
+from loading import chat_prompt_ids
+from runtime import arg, parse_dataclasses, save_checkpoint
 
 CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -30,17 +35,16 @@ CHATML_TEMPLATE = (
 
 @dataclass
 class TinyConfig:
-    output_dir: str = cwgrpo.arg("runs/tiny-base", "gets model/ and arithmetic.jsonl")
-    seed: int = cwgrpo.arg(0, "seed of the model's initialisation, the data and the warm-start")
-    warmstart_steps: int = cwgrpo.arg(250, "supervised steps of 32 examples before RL")
-    examples: int = cwgrpo.arg(2000, "synthetic problems in arithmetic.jsonl")
-    max_operand: int = cwgrpo.arg(3, "the problems add two integers from 0 to this")
-    overwrite: bool = cwgrpo.arg(False, "rebuild even if the folder holds this very model")
+    output_dir: str = arg("runs/tiny-base", "gets model/ and arithmetic.jsonl")
+    seed: int = arg(0, "seed of the model's initialisation, the data and the warm-start")
+    warmstart_steps: int = arg(250, "supervised steps of 32 examples before RL")
+    examples: int = arg(2000, "synthetic problems in arithmetic.jsonl")
+    max_operand: int = arg(3, "the problems add two integers from 0 to this")
+    overwrite: bool = arg(False, "rebuild even if the folder holds this very model")
 
 
 def byte_level_qwen2_tokenizer() -> Qwen2Tokenizer:
     """Qwen2's byte-level BPE with no merges: 256 byte tokens plus the ChatML specials."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     vocab = {char: byte for byte, char in bytes_to_unicode().items()}
     tokenizer = Qwen2Tokenizer(
@@ -102,12 +106,12 @@ def warm_start(model, tokenizer, questions: list[str], steps: int) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     examples = []
     for question in questions:
-        prompt = cwgrpo.chat_prompt_ids(tokenizer, question, "")
+        prompt = chat_prompt_ids(tokenizer, question, "")
         for target in warmstart_targets(question):
             answer = tokenizer(target, add_special_tokens=False)["input_ids"]
             examples.append((prompt + answer + [tokenizer.eos_token_id], len(prompt)))
     model.train()
-    for _ in tqdm(range(steps), desc="warm-start"):
+    for _ in tqdm(range(steps), desc="warm-start", disable=not sys.stderr.isatty()):
         batch = random.sample(examples, 32)
         width = max(len(ids) for ids, _ in batch)
         input_ids = torch.tensor(
@@ -150,6 +154,7 @@ def build(
         and json.loads(made_with.read_text()) == settings
     ):
         return out  # built already, with these settings and this task
+    print(f"building the tiny preset's model and data in {out} ...", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     data = arithmetic_dataset(seed, examples, max_operand)
     with (out / "arithmetic.jsonl").open("w") as f:
@@ -159,25 +164,16 @@ def build(
     model = tiny_qwen2(tokenizer, seed)
     random.seed(seed)
     warm_start(model, tokenizer, data["problem"], warmstart_steps)
-    cwgrpo.save_checkpoint(out, "model", model, tokenizer)
+    transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bar
+    save_checkpoint(out, "model", model, tokenizer)
     made_with.write_text(json.dumps(settings))
     return out
 
 
 if __name__ == "__main__":
-    (tcfg,) = HfArgumentParser(
-        TinyConfig, description=__doc__.split("\n\n")[0]
-    ).parse_args_into_dataclasses()
-    print(f"building the tiny preset's model and data in {tcfg.output_dir} ...", flush=True)
-    out = build(
-        tcfg.output_dir,
-        tcfg.seed,
-        tcfg.warmstart_steps,
-        tcfg.examples,
-        tcfg.max_operand,
-        tcfg.overwrite,
-    )
+    (tcfg,) = parse_dataclasses(TinyConfig, sys.argv[1:], description=__doc__.split("\n\n")[0])
+    out = build(**dataclasses.asdict(tcfg))
     print(
-        f"done: {out / 'model'} and {out / 'arithmetic.jsonl'}; now run "
+        f"ready: {out / 'model'} and {out / 'arithmetic.jsonl'}; train it with "
         f"python cwgrpo.py --method cw --preset tiny"
     )
