@@ -9,7 +9,6 @@ covariance score. docs/math.md has every formula, with the papers' equation and 
     python cwgrpo.py --method cw                 # the paper's 1.5B recipe (one CUDA GPU)
 """
 
-import argparse
 import dataclasses
 import functools
 import json
@@ -27,37 +26,19 @@ from latex2sympy2_extended import NormalizationConfig
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
 import plots
+import runtime
 import tiny
 from lm_head import chunked_logprobs, ict_divergence
 from loading import (
     chat_prompt_ids,
     check_model_path,
+    enable_checkpointing,
     load_dataset,
     load_model,
     load_reference,
     load_tokenizer,
 )
-from runtime import (
-    CachedTimeoutPool,
-    LogCounter,
-    Progress,
-    RunLock,
-    StopRequest,
-    append_record,
-    arg,
-    bf16_autocast,
-    check_resumable,
-    check_resume,
-    keep_records_until,
-    never_fatal,
-    parse_dataclasses,
-    prepare_output_dir,
-    resolve_device,
-    resume_command,
-    rng_states,
-    save_checkpoint,
-    set_rng_states,
-)
+from runtime import arg
 from sampling import generate_completions
 
 # 1. Config --------------------------------------------------------------------------------------
@@ -72,27 +53,19 @@ OPEN_RS_SYSTEM_PROMPT = (
 )
 
 
-# The range of every numeric option, checked when the command line is parsed: rule -> options
-RULES = {
-    ">= 2": (lambda v: v >= 2, "group_size"),
-    "> 0": (
-        lambda v: v > 0,
-        "prompts_per_step groups_per_micro_batch max_prompt_length "
-        "max_completion_length temperature reward_timeout_s num_iterations "
-        "learning_rate max_grad_norm steps save_every logit_chunk_elements log_every",
-    ),
-    "in (0, 1]": (
-        lambda v: 0 < v <= 1,
-        "top_p clip_cov_ratio kl_cov_ratio lopti_eta ar_lopti_eta ict_keep_frac entropy_top_frac",
-    ),
-    ">= 0": (
-        lambda v: v >= 0,
-        "top_k accuracy_weight format_weight reward_workers beta eps_low "
-        "eps_high kl_cov_coef stapo_max_prob weight_decay seed threads",
-    ),
-    "in [0, 1]": (lambda v: 0 <= v <= 1, "ar_alpha ar_lopti_alpha min_lr_ratio warmup_ratio"),
-    "in [0, 100]": (lambda v: 0 <= v <= 100, "stapo_entropy_percentile"),
-}
+# The range of every numeric option, checked when the command line is parsed: (rule, options)
+RULES = [
+    (">= 2", "group_size"),
+    ("> 0", "prompts_per_step groups_per_micro_batch max_prompt_length max_completion_length"),
+    ("> 0", "temperature reward_timeout_s num_iterations learning_rate max_grad_norm steps"),
+    ("> 0", "save_every logit_chunk_elements log_every"),
+    ("in (0, 1]", "top_p clip_cov_ratio kl_cov_ratio lopti_eta ar_lopti_eta ict_keep_frac"),
+    ("in (0, 1]", "entropy_top_frac"),
+    (">= 0", "top_k accuracy_weight format_weight reward_workers beta eps_low eps_high"),
+    (">= 0", "kl_cov_coef stapo_max_prob weight_decay seed threads"),
+    ("in [0, 1]", "ar_alpha ar_lopti_alpha min_lr_ratio warmup_ratio"),
+    ("in [0, 100]", "stapo_entropy_percentile"),
+]
 
 
 @dataclass
@@ -100,9 +73,7 @@ class Config:
     """The defaults are the released 1.5B recipe (docs/math.md, "Recipe"); PRESETS override some.
     --help shows the defaults of the --preset given (paper-1.5b when none is)."""
 
-    preset: Literal["paper-1.5b", "paper-7b", "tiny"] = arg(
-        "paper-1.5b", "a whole recipe (tiny: a CPU demo, built on first use); options override it"
-    )
+    preset: Literal["paper-1.5b", "paper-7b", "tiny"] = arg("paper-1.5b", "a recipe (PRESETS)")
     method: str = arg("cw", "token-weighting method: one of METHODS (section 7, listed below)")
     model: str = arg("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", "hub id or local folder")
     dataset: str = arg("knoveleng/open-rs", "hub id or local .json/.jsonl/.parquet/.csv file")
@@ -116,9 +87,7 @@ class Config:
     max_prompt_length: int = arg(512, "longer prompts are skipped (and counted)")
     max_completion_length: int = arg(4096, "generation limit; see --length-limit")
     length_limit: Literal["total", "new"] = arg(
-        "total",
-        "total: prompt + completion hold at most --max-completion-length tokens (the "
-        "released recipe's vLLM max model length); new: as many new tokens",
+        "total", "total: prompt + completion (released: vLLM's max length); new: new tokens"
     )
     temperature: float = arg(0.7, "sampling temperature; log-probs use it too")
     top_p: float = arg(1.0, "nucleus sampling; 1.0 is off (paper)")
@@ -140,9 +109,7 @@ class Config:
     )
     cw_detach: bool = arg(False, "cw: no gradient through the weights (released code: it flows)")
     cw_reading: Literal["released", "paper", "gradient-only"] = arg(
-        "released",
-        "cw: released (padded, not detached), paper (the text's natural reading: "
-        "valid, detached), or gradient-only (a control: w = 1 with released's gradient)",
+        "released", "cw: released, paper (valid, detached) or gradient-only (w = 1, its gradient)"
     )
     clip_cov_ratio: float = arg(2e-4, "clip_cov: share of tokens zeroed")
     clip_cov_lb: float = arg(1.0, "clip_cov: candidates have covariance above this")
@@ -180,13 +147,7 @@ class Config:
             raise SystemExit(
                 f"error: unknown --method {self.method!r}; choose from {', '.join(METHODS)}"
             )
-        for rule, (holds, names) in RULES.items():
-            for name in names.split():
-                if not holds(getattr(self, name)):
-                    raise SystemExit(
-                        f"error: --{name.replace('_', '-')} must be {rule}; got "
-                        f"{getattr(self, name)}"
-                    )
+        runtime.check_rules(self, RULES)
         if self.clip_cov_lb >= self.clip_cov_ub:
             raise SystemExit(
                 f"error: --clip-cov-lb ({self.clip_cov_lb}) must be below "
@@ -216,24 +177,11 @@ PRESETS = {
     "paper-1.5b": {},  # the Config defaults are this recipe
     # Qwen2.5-Math-7B has 4,096 positions: prompt + completion fit in them with --length-limit total
     "paper-7b": dict(model="Qwen/Qwen2.5-Math-7B-Instruct", format_weight=0.0, steps=150),
-    "tiny": dict(
-        model="runs/tiny-base/model",
-        dataset="runs/tiny-base/arithmetic.jsonl",
-        system_prompt="",
-        group_size=8,
-        prompts_per_step=8,
-        groups_per_micro_batch=8,
-        max_prompt_length=64,
-        max_completion_length=40,
-        length_limit="new",
-        temperature=1.0,
-        learning_rate=7e-4,
-        warmup_ratio=0.05,
-        steps=200,
-        save_every=50,
-        seed=0,
-        gradient_checkpointing=False,
-    ),
+    "tiny": dict(model="runs/tiny-base/model", dataset="runs/tiny-base/arithmetic.jsonl")
+    | dict(system_prompt="", group_size=8, prompts_per_step=8, groups_per_micro_batch=8)
+    | dict(max_prompt_length=64, max_completion_length=40, length_limit="new", temperature=1.0)
+    | dict(learning_rate=7e-4, warmup_ratio=0.05, steps=200, save_every=50, seed=0)
+    | dict(gradient_checkpointing=False),
 }
 GPU_PRESETS = ("paper-1.5b", "paper-7b")
 EVALUATE_OPTIONS = {
@@ -243,21 +191,12 @@ EVALUATE_OPTIONS = {
 
 
 def parse_config(argv=None, *extra_dataclasses, hidden: tuple = ()):
-    """The run's Config (and those of extra dataclasses a tool adds): the preset's values as
+    """The run's Config (and those of extra dataclasses a tool adds): the --preset's values as
     defaults, then the command line; `hidden` options are left out of --help."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    preset_parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    preset_parser.add_argument("--preset", default=Config.preset, choices=list(PRESETS))
-    preset = preset_parser.parse_known_args(argv)[0].preset
-    methods = "; ".join(f"{name}: {m.description}" for name, m in METHODS.items())
-    parsed = parse_dataclasses(
-        (Config, *extra_dataclasses),
-        argv,
-        PRESETS[preset],
-        hidden,
-        epilog="methods: " + methods,
-        description=f"{__doc__.split(chr(10) * 2)[0]} Defaults shown: --preset {preset}'s.",
-    )
+    methods = "methods: " + "; ".join(f"{name}: {m.description}" for name, m in METHODS.items())
+    about = dict(epilog=methods, description=__doc__.split("\n\n")[0])
+    parsed = runtime.parse_dataclasses((Config, *extra_dataclasses), argv, PRESETS, hidden, **about)
     return parsed if extra_dataclasses else parsed[0]
 
 
@@ -306,20 +245,16 @@ GOLD_EXTRACTION = {
     "expr": [ExprExtractionConfig()],
     "latex": [LatexExtractionConfig()],
 }
-PREDICTION_EXTRACTION = [
-    LatexExtractionConfig(
-        normalization_config=NormalizationConfig(
-            basic_latex=True,
-            units=True,
-            malformed_operators=False,
-            nits=False,
-            boxed="all",
-            equations=False,
-        ),
-        boxed_match_priority=0,
-        try_extract_without_anchor=False,
-    )
-]
+PREDICTION_NORMALISATION = NormalizationConfig(
+    basic_latex=True,
+    units=True,
+    malformed_operators=False,
+    nits=False,
+    boxed="all",
+    equations=False,
+)
+# No match without an anchor, \\boxed{} first (priority 0), the released normalisation
+PREDICTION_EXTRACTION = [LatexExtractionConfig(False, 0, PREDICTION_NORMALISATION)]
 
 
 def grade_accuracy(completion: str, gold: str, gold_format: str = "default") -> Grade:
@@ -327,19 +262,13 @@ def grade_accuracy(completion: str, gold: str, gold_format: str = "default") -> 
     (verify is not symmetric). gold_format "default" is math-verify's default extraction, the
     training reward's; evaluate.py's benchmarks parse their gold as "expr" or "latex".
     math-verify's own cutoffs (5 s a parse or comparison) score 0 and count as cutoffs."""
-    cutoffs = LogCounter.installed("math_verify", "Timeout during")
+    cutoffs = runtime.LogCounter.installed("math_verify", "Timeout during")
     before = cutoffs.count
     try:
-        gold_parsed = parse(
-            gold,
-            extraction_mode="first_match",  # as the released reward
-            extraction_config=GOLD_EXTRACTION[gold_format],
-        )
+        gold_parsed = parse(gold, GOLD_EXTRACTION[gold_format], extraction_mode="first_match")
         if not gold_parsed:
             return Grade(0.0, False, False)
-        prediction = parse(
-            completion, extraction_mode="first_match", extraction_config=PREDICTION_EXTRACTION
-        )
+        prediction = parse(completion, PREDICTION_EXTRACTION, extraction_mode="first_match")
         accuracy = float(verify(gold_parsed, prediction))
     except Exception:  # noqa: BLE001 - a failure inside the grader is a wrong answer
         accuracy = 0.0
@@ -350,7 +279,7 @@ def format_reward(completion: str) -> float:
     return float(completion.count("\n</think>\n") == 1)
 
 
-class Grader(CachedTimeoutPool):
+class Grader(runtime.CachedTimeoutPool):
     """grade_accuracy in worker processes under a hard time limit; cached (grading is pure)."""
 
     def __init__(self, timeout_s: float = 10.0, workers: int = 1):
@@ -365,6 +294,11 @@ def reward_worker_count(cfg: Config) -> int:
 
 
 # 4. Sampling ------------------------------------------------------------------------------------
+# The (N, T) tensors of a Rollout, one value per completion token
+PER_TOKEN = ("completion_ids", "completion_mask", "old_logp", "entropy", "divergence", "ref_logp")
+PER_TOKEN += ("active",)
+
+
 @dataclass
 class Rollout:
     """One rollout batch: N = prompts x G completions, consecutive rows forming a group."""
@@ -397,15 +331,7 @@ class Rollout:
         completion_len = int(out["completion_mask"].sum(1).max())
         for name in ("prompt_ids", "prompt_mask"):
             out[name] = out[name][:, first_prompt_column:]
-        for name in (
-            "completion_ids",
-            "completion_mask",
-            "old_logp",
-            "entropy",
-            "divergence",
-            "ref_logp",
-            "active",
-        ):
+        for name in PER_TOKEN:
             if out[name] is not None:
                 out[name] = out[name][:, :completion_len]
         return Rollout(**out)
@@ -424,18 +350,10 @@ def sample(model, tokenizer, batch: list[tuple[list[int], str]], cfg: Config) ->
     """G completions per prompt with plain temperature sampling (top-p/top-k only where set)."""
     model.eval()
     total = cfg.max_completion_length if cfg.length_limit == "total" else None
+    prompts, limit = [ids for ids, _ in batch], cfg.max_completion_length
+    sampling = (cfg.group_size, cfg.temperature, cfg.top_p, cfg.top_k, limit, total)
     prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts = (
-        generate_completions(
-            model,
-            tokenizer,
-            [ids for ids, _ in batch],
-            cfg.group_size,
-            cfg.temperature,
-            cfg.top_p,
-            cfg.top_k,
-            cfg.max_completion_length,
-            total,
-        )
+        generate_completions(model, tokenizer, prompts, *sampling)
     )
     golds = [gold for _, gold in batch for _ in range(cfg.group_size)]
     if cfg.mask_truncated_completions:  # out of the loss, not out of the reward
@@ -452,21 +370,14 @@ def completion_logprobs(model, rollout: Rollout, cfg: Config):
     input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
     attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask.long()], 1)
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # as generate() numbers them
-    hidden = model.get_decoder()(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=False,
-    ).last_hidden_state
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state
     prompt_width = rollout.prompt_ids.shape[1]
     hidden = hidden[:, prompt_width - 1 : -1]  # the state at position t predicts completion token t
     valid = rollout.completion_mask.bool()
+    head, targets = model.get_output_embeddings().weight, rollout.completion_ids[valid]
     logp_valid, entropy_valid = chunked_logprobs(
-        hidden[valid],
-        model.get_output_embeddings().weight,
-        rollout.completion_ids[valid],
-        cfg.temperature,
-        cfg.logit_chunk_elements,
+        hidden[valid], head, targets, cfg.temperature, cfg.logit_chunk_elements
     )
     logp = torch.zeros(valid.shape, device=hidden.device, dtype=logp_valid.dtype)
     entropy = torch.zeros_like(logp)
@@ -517,14 +428,7 @@ def covariance_score(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) 
     return (logp - mu[:, None]) * centred_adv[:, None] * mask  # 3.
 
 
-def cw_weights(
-    logp: torch.Tensor,
-    adv: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    norm: str = "padded",
-    detach: bool = False,
-) -> torch.Tensor:
+def cw_weights(logp, adv, mask, *, norm: str = "padded", detach: bool = False) -> torch.Tensor:
     """CW-GRPO's weights of one group (Wang et al. 2026, method; docs/math.md "cw", steps 1-8)."""
     score = covariance_score(logp, adv, mask)  # 1-3.
     n_valid = mask.sum().clamp(min=1)  # a group with no valid token gets weights 0, not NaN
@@ -681,32 +585,12 @@ METHODS = {
     "clip_cov": Method(clip_cov, "zero a few random high-covariance tokens (Cui et al. 2025)"),
     "kl_cov": Method(kl_cov, "|logp - old_logp| on top-covariance tokens (Cui et al. 2025)"),
     "ar": Method(ar, "advantage reweighting by alpha p + 1 - alpha (Yang et al. 2025)"),
-    "lopti": Method(
-        lopti,
-        "low-probability tokens first, then the rest (Yang et al. 2025)",
-        update_passes=2,
-        needs_old_policy_pass=True,
-    ),
-    "ar_lopti": Method(
-        ar_lopti,
-        "ar and lopti together (Yang et al. 2025)",
-        update_passes=2,
-        needs_old_policy_pass=True,
-    ),
-    "ict": Method(
-        ict,
-        "PG only on top-10% positions by JS divergence from the group (2026)",
-        needs_old_policy_pass=True,
-        needs_divergence=True,
-    ),
-    "entropy20": Method(
-        entropy20,
-        "PG only on the top-20% entropy tokens (Wang et al. 2025)",
-        needs_old_policy_pass=True,
-    ),
-    "stapo": Method(
-        stapo, "silence rare, low-entropy positive tokens (2026)", needs_old_policy_pass=True
-    ),
+    # (method, what it does, update passes, needs an old-policy pass, needs ict's divergence)
+    "lopti": Method(lopti, "low-probability tokens first, then the rest (Yang 2025)", 2, True),
+    "ar_lopti": Method(ar_lopti, "ar and lopti together (Yang et al. 2025)", 2, True),
+    "ict": Method(ict, "PG only on the top-10% positions by JS divergence (2026)", 1, True, True),
+    "entropy20": Method(entropy20, "PG only on the top-20% entropy tokens (Wang 2025)", 1, True),
+    "stapo": Method(stapo, "silence rare, low-entropy positive tokens (2026)", 1, True),
 }
 
 
@@ -747,21 +631,9 @@ def micro_batch_terms(
     token_terms, parts = METHODS[cfg.method].token_terms, []
     for g in (slice(i, i + cfg.group_size) for i in range(0, len(logp), cfg.group_size)):
         divergence = None if rollout.divergence is None else rollout.divergence[g]
-        parts.append(
-            token_terms(
-                Group(
-                    logp=logp[g],
-                    old_logp=old_logp[g],
-                    advantages=rollout.advantages[g],
-                    mask=rollout.completion_mask[g],
-                    entropy=entropy[g],
-                    batch_entropy=rollout.batch_entropy,
-                    divergence=divergence,
-                    update_pass=update_pass,
-                ),
-                cfg,
-            )
-        )
+        adv, mask = rollout.advantages[g], rollout.completion_mask[g]
+        stats = (entropy[g], rollout.batch_entropy, divergence, update_pass)
+        parts.append(token_terms(Group(logp[g], old_logp[g], adv, mask, *stats), cfg))
 
     def joined(values):  # the groups' tensors side by side; None and clip are the method's
         return torch.cat(values) if isinstance(values[0], torch.Tensor) else values[0]
@@ -781,9 +653,8 @@ def micro_batch_loss(
     entropy = rollout.entropy if rollout.entropy is not None else entropy
     terms = micro_batch_terms(logp, old_logp, entropy, rollout, cfg, update_pass)
     per_token = token_loss(logp, old_logp, rollout.ref_logp, rollout.advantages, terms, cfg)
-    loss = aggregate(
-        per_token, rollout.completion_mask, cfg.loss_aggregation, n_responses, n_tokens
-    )
+    mask = rollout.completion_mask
+    loss = aggregate(per_token, mask, cfg.loss_aggregation, n_responses, n_tokens)
     return loss, (logp.detach(), old_logp, entropy, terms)
 
 
@@ -796,14 +667,8 @@ def token_metrics(
     kl = torch.zeros_like(logp) if ref_logp is None else k3(logp, ref_logp)
     clipped = ppo_clipped(torch.exp(logp - old_logp), advantages, cfg) & terms.clip
     weight = terms.pg_weight.detach()
-    per_token = {
-        "entropy": entropy,
-        "kl": kl,
-        "clipped": clipped,
-        "w": weight,
-        "touched": touched_tokens(terms),
-        "pg_on": (weight != 0) & (active != 0),
-    }
+    per_token = dict(entropy=entropy, kl=kl, clipped=clipped, w=weight)
+    per_token |= dict(touched=touched_tokens(terms), pg_on=(weight != 0) & (active != 0))
     return {name: values[valid].float() for name, values in per_token.items()}
 
 
@@ -827,14 +692,9 @@ def policy_token_stats(model, rollout: Rollout, cfg: Config, divergence: bool = 
     for block, part in rollout.micro_batches(cfg):
         out["logp"][block], out["entropy"][block], hidden = completion_logprobs(model, part, cfg)
         if divergence:
-            out["divergence"][block] = ict_divergence(
-                hidden,
-                model.get_output_embeddings().weight,
-                part.completion_mask,
-                cfg.temperature,
-                cfg.logit_chunk_elements,
-                cfg.group_size,
-            )
+            head, mask = model.get_output_embeddings().weight, part.completion_mask
+            chunking = (cfg.temperature, cfg.logit_chunk_elements, cfg.group_size)
+            out["divergence"][block] = ict_divergence(hidden, head, mask, *chunking)
     return out
 
 
@@ -873,18 +733,8 @@ def accumulate_gradients(model, rollout: Rollout, cfg: Config, autocast, update_
             )
         loss.backward()
         total_loss += loss.item()
-        metrics.append(
-            token_metrics(
-                logp,
-                old_logp,
-                part.ref_logp,
-                entropy,
-                part.advantages,
-                part.completion_mask,
-                terms,
-                cfg,
-            )
-        )
+        tokens = (part.ref_logp, entropy, part.advantages, part.completion_mask)
+        metrics.append(token_metrics(logp, old_logp, *tokens, terms, cfg))
     return total_loss, metrics
 
 
@@ -952,56 +802,32 @@ def token_view(model, tokenizer, rollout: Rollout, cfg: Config, label: str, show
     """What tokens.html shows of the batch's first group: a few completions, token by token, with
     each token's probability, covariance score (cw step 3), and the weight every method gives it.
     The RNG is restored (clip_cov draws), so training goes on unchanged."""
-    rng, rows = rng_states(), rollout.select(0, cfg.group_size)
+    rng, rows = runtime.rng_states(), rollout.select(0, cfg.group_size)
     try:
         stats, mask = policy_token_stats(model, rows, cfg, divergence=True), rows.completion_mask
-        group = Group(
-            logp=stats["logp"],
-            old_logp=stats["logp"],
-            advantages=rows.advantages,
-            mask=mask,
-            entropy=stats["entropy"],
-            divergence=stats["divergence"],
-            batch_entropy=stats["entropy"][mask.bool()].sort().values,
-            update_pass=0,
-        )
+        logp, entropy, divergence = stats["logp"], stats["entropy"], stats["divergence"]
+        batch_entropy = entropy[mask.bool()].sort().values
+        group = Group(logp, logp, rows.advantages, mask, entropy, batch_entropy, divergence, 0)
         terms = {
             name: method.token_terms(group._replace(update_pass=update_pass), cfg)
             for name, method, update_pass, _ in method_passes()
         }
     finally:
-        set_rng_states(rng)
+        runtime.set_rng_states(rng)
     weights = {k: t.pg_weight * (1 if t.active is None else t.active) for k, t in terms.items()}
-    return plots.token_view(
-        label,
-        tokenizer,
-        rows.completion_ids[:shown],
-        mask,
-        stats["logp"],
-        covariance_score(stats["logp"], rows.advantages, mask),
-        rows.advantages,
-        weights,
-        {k: touched_tokens(t) for k, t in terms.items()},
-    )
+    cov = covariance_score(logp, rows.advantages, mask)
+    touched = {k: touched_tokens(t) for k, t in terms.items()}
+    view = (rows.completion_ids[:shown], mask, logp, cov, rows.advantages, weights, touched)
+    return plots.token_view(label, tokenizer, *view)
 
 
 def draw(output_dir: Path, cfg: Config, views: list[dict]) -> None:
     """The run's curves (curves.png) and its tokens (tokens.html), redrawn from what it holds."""
-    title = f"{cfg.method} on {cfg.model}, seed {cfg.seed}"
-    with never_fatal("draw curves.png"):
-        plots.plot_run(output_dir / "metrics.jsonl", output_dir / "curves.png", title)
+    about = {name: text for name, _, _, text in method_passes()}
     note = "cw as released normalises its weights over padded positions, so their mean over real "
     note += "tokens is above 1 and most tokens show orange."
-    with never_fatal("write tokens.html"):
-        about = {name: text for name, _, _, text in method_passes()}
-        plots.token_page(
-            output_dir / "tokens.html",
-            title,
-            cfg.method,
-            about,
-            views,
-            note if cfg.cw_norm == "padded" else "",
-        )
+    title = f"{cfg.method} on {cfg.model}, seed {cfg.seed}"
+    plots.draw_run(output_dir, title, cfg.method, about, views, note * (cfg.cw_norm == "padded"))
 
 
 # Options a resumed run may change, none of them its recipe: more --steps extend it (the cosine
@@ -1013,7 +839,7 @@ def train(cfg: Config, on_rollout: Callable | None = None) -> Path:
     """GRPO with cfg.method's token terms. on_rollout(step, model, rollout, autocast), if given,
     sees each scored rollout batch before the update (diagnose.py uses it)."""
     start = time.perf_counter()
-    device = resolve_device(cfg.device, cfg.preset if cfg.preset in GPU_PRESETS else "")
+    device = runtime.resolve_device(cfg.device, cfg.preset if cfg.preset in GPU_PRESETS else "")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     print(
@@ -1025,47 +851,30 @@ def train(cfg: Config, on_rollout: Callable | None = None) -> Path:
     )
     plots.pyplot()  # fail now, not at the first checkpoint, if matplotlib is missing
     output_dir = Path(cfg.output_dir)
-    with RunLock(output_dir), StopRequest() as stop:  # a live run's folder: stop here
+    lock = runtime.RunLock(output_dir)  # a folder a live run holds: stop here
+    with lock, runtime.StopRequest() as stop:
         if cfg.model == PRESETS["tiny"]["model"] and not Path(cfg.model).exists():
             tiny.build(str(Path(cfg.model).parent))  # the demo's model, built on first use
         check_model_path(cfg.model)
-        resume_from = check_resumable(output_dir, cfg.resume)
+        resume_from = runtime.check_resumable(output_dir, cfg.resume)
         options = dataclasses.asdict(cfg)
-        if resume_from and check_resume(resume_from, options, cfg.steps, RESUME_MAY_CHANGE):
+        if resume_from and runtime.check_resume(resume_from, options, cfg.steps, RESUME_MAY_CHANGE):
             return output_dir
         dataset = load_dataset(cfg.dataset, cfg.dataset_split, cfg.question_column, cfg.gold_column)
         with Grader(cfg.reward_timeout_s, reward_worker_count(cfg)) as grader:
             run(cfg, device, dataset, resume_from, grader, on_rollout, stop)
     evaluate = f"python evaluate.py --model {output_dir / 'final-model'}"
-    print(
-        plots.run_summary(
-            output_dir,
-            time.perf_counter() - start,
-            cfg.temperature,
-            evaluate + EVALUATE_OPTIONS.get(cfg.preset, ""),
-        )
-    )
+    evaluate += EVALUATE_OPTIONS.get(cfg.preset, "")
+    print(plots.run_summary(output_dir, time.perf_counter() - start, cfg.temperature, evaluate))
     return output_dir
 
 
-def run(
-    cfg: Config,
-    device,
-    dataset,
-    resume_from: Path | None,
-    grader: Grader,
-    on_rollout: Callable | None,
-    stop: StopRequest,
-) -> None:
+def run(cfg: Config, device, dataset, resume_from, grader: Grader, on_rollout, stop) -> None:
     """The loop of train(), inside the output folder's lock: sample, score, advantages, update,
     log, save."""
-    config = dataclasses.asdict(cfg)
-    output_dir = prepare_output_dir(
-        Path(cfg.output_dir),
-        resume_from,
-        cfg.overwrite_output_dir,
-        config | {"torch_threads": torch.get_num_threads(), "reward_workers_used": grader.size},
-    )
+    config, output_dir = dataclasses.asdict(cfg), Path(cfg.output_dir)
+    used = {"torch_threads": torch.get_num_threads(), "reward_workers_used": grader.size}
+    runtime.prepare_output_dir(output_dir, resume_from, cfg.overwrite_output_dir, config | used)
     transformers.utils.logging.disable_progress_bar()
     print(f"loading {resume_from or cfg.model} ...", flush=True)
     tokenizer = load_tokenizer(str(resume_from or cfg.model))
@@ -1073,7 +882,7 @@ def run(
     model = load_model(str(resume_from or cfg.model), torch.float32, device)  # fp32 masters
     reference = load_reference(cfg.model, device) if cfg.beta > 0 else None
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        enable_checkpointing(model)
     method = METHODS[cfg.method]
     if cfg.method == "kl_cov" and cfg.num_iterations == 1:
         print(
@@ -1083,30 +892,28 @@ def run(
     updates_per_rollout = cfg.num_iterations * method.update_passes
     total_updates = cfg.steps * updates_per_rollout
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay
+        model.parameters(), cfg.learning_rate, weight_decay=cfg.weight_decay
     )
+    warmup, min_lr = int(cfg.warmup_ratio * total_updates), cfg.min_lr_ratio
     scheduler = transformers.get_cosine_with_min_lr_schedule_with_warmup(
-        optimizer,
-        int(cfg.warmup_ratio * total_updates),
-        total_updates,
-        min_lr_rate=cfg.min_lr_ratio,
+        optimizer, warmup, total_updates, min_lr_rate=min_lr
     )
     start_step, views = 0, []
     if resume_from is not None:
         state = torch.load(resume_from / "trainer_state.pt", weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        set_rng_states(state["rng"])
+        runtime.set_rng_states(state["rng"])
         start_step, prompts.position = state["step"], state["data_position"]
         views = state.get("token_views", [])[:1]  # the first step's; older checkpoints have none
     else:
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
     metrics_path = output_dir / "metrics.jsonl"
-    keep_records_until(metrics_path, start_step)
+    runtime.keep_records_until(metrics_path, start_step)
 
-    autocast = bf16_autocast(device)
-    progress = Progress(start_step, cfg.steps, cfg.method, cfg.log_every)
+    autocast = runtime.bf16_autocast(device)
+    progress = runtime.Progress(start_step, cfg.steps, cfg.method, cfg.log_every)
     for step in range(start_step, cfg.steps):
         t0 = time.perf_counter()
         with autocast():
@@ -1114,7 +921,7 @@ def run(
                 model, reference, tokenizer, prompts, grader, cfg
             )
             if step == 0 or step + 1 == cfg.steps:
-                with never_fatal("draw the token page"):
+                with runtime.never_fatal("draw the token page"):
                     views.append(token_view(model, tokenizer, rollout, cfg, f"step {step + 1}"))
         rollout_s = time.perf_counter() - t0
         if on_rollout is not None:
@@ -1136,35 +943,28 @@ def run(
             record["tokens_per_s"] = rollout.completion_mask.sum().item() / (
                 rollout_s + record["update_s"]
             )
-            append_record(metrics_path, record)
-        progress.step(
-            reward=f"{record['reward_mean']:.3f}", entropy=f"{record['entropy_mean']:.3f}"
-        )
+            runtime.append_record(metrics_path, record)
+        progress.step(**{k: f"{record[k + '_mean']:.3f}" for k in ("reward", "entropy")})
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps or stop.requested:
             trainer_state = {
                 "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(),
-                "rng": rng_states(),
+                "rng": runtime.rng_states(),
                 "step": step + 1,
                 "data_position": prompts.position,
                 "token_views": views,
             }
-            save_checkpoint(
-                output_dir,
-                f"checkpoint-{step + 1}",
-                model,
-                tokenizer,
-                trainer_state,
-                {"run_config.json": json.dumps(config, indent=2)},
-            )
+            files = {"run_config.json": json.dumps(config, indent=2)}
+            name = f"checkpoint-{step + 1}"
+            runtime.save_checkpoint(output_dir, name, model, tokenizer, trainer_state, files)
             draw(output_dir, cfg, views)
         if stop.requested:
             raise SystemExit(
                 f"stopped after step {step + 1} (saved checkpoint-{step + 1}); "
-                f"resume with: {resume_command()}"
+                f"resume with: {runtime.resume_command()}"
             )
     progress.close()
-    save_checkpoint(output_dir, "final-model", model, tokenizer)
+    runtime.save_checkpoint(output_dir, "final-model", model, tokenizer)
 
 
 def main(argv=None) -> None:
@@ -1174,7 +974,7 @@ def main(argv=None) -> None:
     except KeyboardInterrupt:
         raise SystemExit(
             f"interrupted: the step under way is lost; resume from the last "
-            f"checkpoint with: {resume_command()}"
+            f"checkpoint with: {runtime.resume_command()}"
         ) from None
 
 

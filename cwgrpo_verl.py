@@ -2,24 +2,26 @@
 
 verl loads this module when it starts with
 
-    VERL_USE_EXTERNAL_MODULES=cwgrpo_verl python -m verl.trainer.main_ppo ... actor_rollout_ref.actor.policy_loss.loss_mode=cw
+    VERL_USE_EXTERNAL_MODULES=cwgrpo_verl python -m verl.trainer.main_ppo ... \\
+        actor_rollout_ref.actor.policy_loss.loss_mode=cw
 
-(cwgrpo.py and this file on PYTHONPATH). Each loss calls the same tensor functions as cwgrpo.py: the method's
-token terms, then cwgrpo's PPO-clip term; verl adds its own KL loss (use_kl_loss) and aggregates with
-its agg_loss. Registered names:
+(cwgrpo.py and this file on PYTHONPATH). Each loss calls the same tensor functions as cwgrpo.py: the
+method's token terms, then cwgrpo's PPO-clip term; verl adds its own KL loss (use_kl_loss) and
+aggregates with its agg_loss. Registered names:
 
 - cw: CW-GRPO (cwgrpo's cw_weights; released code's padded normalisation, weights not detached).
 - cw_valid, cw_detach, cw_valid_detach: the other readings of docs/math.md's cw steps 6 and 7.
 - ar: advantage reweighting (Yang et al. 2025), alpha 0.2.
-- cwgrpo_clip_cov, cwgrpo_kl_cov: cwgrpo's clip_cov and kl_cov, beside verl's own clip_cov and kl_cov.
+- cwgrpo_clip_cov, cwgrpo_kl_cov: cwgrpo's clip_cov and kl_cov, beside verl's own clip_cov and
+  kl_cov.
 
-Methods that need what a verl policy loss is not given are not registered: lopti (two update passes),
-ict (full next-token distributions), entropy20 and stapo (the whole batch's entropies).
+Methods that need what a verl policy loss is not given are not registered: lopti (two update
+passes), ict (full next-token distributions), entropy20 and stapo (the whole batch's entropies).
 
 Statistics scope: verl passes the loss one micro-batch, and cw, clip_cov and kl_cov compute their
 statistics over the rows they are given. With ppo_micro_batch_size_per_gpu equal to rollout.n (and
-use_dynamic_bsz off) a micro-batch is exactly one prompt's group, as in the paper's runs; otherwise the
-statistics mix groups (or split one), which the released CW-GRPO code also does.
+use_dynamic_bsz off) a micro-batch is exactly one prompt's group, as in the paper's runs; otherwise
+the statistics mix groups (or split one), which the released CW-GRPO code also does.
 """
 
 import argparse
@@ -43,7 +45,7 @@ VERL_METHODS = {  # verl name -> (cwgrpo method, Config overrides)
 
 
 def cwgrpo_config(verl_config, overrides: dict) -> cwgrpo.Config:
-    """cwgrpo's Config with verl's clip range and, for clip_cov/kl_cov, verl's policy_loss settings."""
+    """cwgrpo's Config with verl's clip range and, for clip_cov/kl_cov, its policy_loss settings."""
     low = (
         verl_config.clip_ratio_low
         if verl_config.clip_ratio_low is not None
@@ -135,16 +137,16 @@ for _verl_name, (_method, _overrides) in VERL_METHODS.items():
     register_policy_loss(_verl_name)(make_policy_loss(_method, _overrides))
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The reward and the data, in verl's formats
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 _grader = None
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
-    """verl's custom_reward_function: cwgrpo's accuracy (math-verify, gold first) + format reward, 1:1 as in
-    the 1.5B recipe (set format_weight to 0 in extra_info for the 7B recipe's accuracy-only reward)."""
+    """verl's custom_reward_function: cwgrpo's accuracy (math-verify, gold first) + format reward,
+    1:1 as in the 1.5B recipe (format_weight 0 in extra_info: the 7B recipe's accuracy only)."""
     global _grader
     if _grader is None:
         _grader = cwgrpo.Grader()
@@ -162,7 +164,7 @@ def convert(
     system_prompt: str = cwgrpo.OPEN_RS_SYSTEM_PROMPT,
     format_weight: float = 1.0,
 ) -> Path:
-    """Open-RS (or any problem/solution data) as verl's RL parquet: chat prompt, rule reward, gold."""
+    """Open-RS (or any problem/solution data) as verl's RL parquet: prompt, reward rule, gold."""
     rows = cwgrpo.load_dataset(dataset, "train", question_column, gold_column)
 
     def to_verl(row, index):

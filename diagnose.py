@@ -135,7 +135,7 @@ def scatter_valid(flat: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 def diagnose_rollout(model, rollout: cwgrpo.Rollout, cfg: cwgrpo.Config, autocast) -> dict:
     """The papers' measurements on one scored rollout batch (ref_logp set when beta > 0), through
     the training loss. Restores the RNG and leaves no gradient: training goes on unchanged."""
-    rng = cwgrpo.rng_states()
+    rng = runtime.rng_states()
     logp, squared_mass = logp_and_squared_mass(model, rollout, cfg)
     mask, valid = rollout.completion_mask, rollout.completion_mask.bool()
     groups = [slice(i, i + cfg.group_size) for i in range(0, len(rollout.texts), cfg.group_size)]
@@ -188,7 +188,7 @@ def diagnose_rollout(model, rollout: cwgrpo.Rollout, cfg: cwgrpo.Config, autocas
                 "param_grad_norm": gradients["norm"][i],
                 "cosine_with_full": gradients["cosine_with_full"][i],
             }
-    cwgrpo.set_rng_states(rng)
+    runtime.set_rng_states(rng)
     return report
 
 
@@ -290,7 +290,7 @@ TRAINING_ONLY = (
 def batch(argv: list) -> Path:
     """The diagnostics of one rollout batch sampled from --model with the run's settings."""
     cfg, bcfg = cwgrpo.parse_config(argv, BatchConfig, hidden=TRAINING_ONLY)
-    device = cwgrpo.resolve_device(
+    device = runtime.resolve_device(
         cfg.device, cfg.preset if cfg.preset in cwgrpo.GPU_PRESETS else ""
     )
     for path in filter(None, (cfg.model, bcfg.reference_model)):
@@ -301,7 +301,7 @@ def batch(argv: list) -> Path:
     reference = (
         cwgrpo.load_reference(bcfg.reference_model or cfg.model, device) if cfg.beta > 0 else None
     )
-    autocast = cwgrpo.bf16_autocast(device)
+    autocast = runtime.bf16_autocast(device)
     torch.manual_seed(cfg.seed)
     prompts = cwgrpo.PromptStream(
         cwgrpo.load_dataset(cfg.dataset, cfg.dataset_split, cfg.question_column, cfg.gold_column),
@@ -343,7 +343,7 @@ def train(argv: list) -> Path:
             runtime.append_record(path, {"rollout_step": step, **report})
 
     if cfg.resume:
-        cwgrpo.keep_records_until(path, resumed_step(Path(cfg.output_dir)))
+        runtime.keep_records_until(path, resumed_step(Path(cfg.output_dir)))
     return cwgrpo.train(cfg, on_rollout=on_rollout)
 
 

@@ -1,12 +1,12 @@
 """evaluate.py: a checkpoint on the paper's five math benchmarks, its protocol and a robust one.
 
-    python evaluate.py --model runs/cw-paper-1.5b-seed2025/checkpoint-100 --protocol paper   # the paper's numbers
+    python evaluate.py --model runs/cw-paper-1.5b-seed2025/checkpoint-100 --protocol paper
     python evaluate.py --model PATH --n 16                      # avg@16 and pass@k with error bars
     python evaluate.py --model PATH --benchmarks my.jsonl --question-column q --gold-column a
     python evaluate.py --checkpoints "runs/x/checkpoint-*"      # the checkpoint-stability table
 
-Benchmarks, prompt and sampling follow docs/math.md, "Evaluation"; grading is cwgrpo.py's math-verify
-reward, with the gold parsed as an expression or as LaTeX per benchmark.
+Benchmarks, prompt and sampling follow docs/math.md, "Evaluation"; grading is cwgrpo.py's
+math-verify reward, with the gold parsed as an expression or as LaTeX per benchmark.
 """
 
 import glob
@@ -55,9 +55,10 @@ TABLE_NAMES = {
 
 # docs/math.md, "Evaluation": user prompt, no system prompt
 EVAL_PROMPT = (
-    "Solve the following math problem efficiently and clearly.  The last line of your response should be "
-    "of the following format: 'Therefore, the final answer is: $\\boxed{{ANSWER}}$. I hope it is correct' "
-    "(without quotes) where ANSWER is just the final number or expression that solves the problem. Think "
+    "Solve the following math problem efficiently and clearly.  The last line of your response "
+    "should be of the following format: 'Therefore, the final answer is: $\\boxed{{ANSWER}}$. I "
+    "hope it is correct' (without quotes) where ANSWER is just the final number or expression "
+    "that solves the problem. Think "
     "step by step before answering.\n\n{question}"
 )
 
@@ -79,13 +80,15 @@ class EvalConfig:
     checkpoints: str = field(
         default="",
         metadata={
-            "help": "a glob of checkpoint folders (e.g. 'runs/x/checkpoint-*') for the checkpoint-stability table"
+            "help": "a glob of checkpoint folders (e.g. 'runs/x/checkpoint-*') for the "
+            "checkpoint-stability table"
         },
     )
     benchmarks: str = field(
         default="aime24,math500,amc23,minerva,olympiadbench",
         metadata={
-            "help": "comma-separated: names (aime24, math500, amc23, minerva, olympiadbench) or local "
+            "help": "comma-separated: names (aime24, math500, amc23, minerva, olympiadbench) or "
+            "local "
             ".json/.jsonl/.parquet files"
         },
     )
@@ -96,20 +99,23 @@ class EvalConfig:
     gold_format: Literal["expr", "latex", "default"] = field(
         default="latex",
         metadata={
-            "help": "how the gold of local files is parsed: expr (plain numbers), latex, or default (both)"
+            "help": "how the gold of local files is parsed: expr (plain numbers), latex, or "
+            "default (both)"
         },
     )
     prompt_template: str = field(
         default=EVAL_PROMPT,
         metadata={
-            "help": "user message, with {question} where the problem goes (default: the paper's evaluation prompt; "
+            "help": "user message, with {question} where the problem goes (default: the paper's "
+            "evaluation prompt; "
             "'{question}' for the tiny preset's models)"
         },
     )
     protocol: Literal["robust", "paper"] = field(
         default="robust",
         metadata={
-            "help": "paper: 1 sample per problem with a fixed seed, as in the paper; robust: --n samples, avg@n"
+            "help": "paper: 1 sample per problem with a fixed seed, as in the paper; robust: --n "
+            "samples, avg@n"
         },
     )
     n: int = field(default=8, metadata={"help": "samples per problem under the robust protocol"})
@@ -140,13 +146,15 @@ class EvalConfig:
     output_dir: str = field(
         default="",
         metadata={
-            "help": "results.json, results.md and per-benchmark progress (default eval/<model folder name>)"
+            "help": "results.json, results.md and per-benchmark progress (default "
+            "eval/<model path>)"
         },
     )
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k of n samples with c correct (docs/math.md): 1 - prod(1 - k / arange(n - c + 1, n + 1))."""
+    """Unbiased pass@k of n samples with c correct (docs/math.md):
+    1 - prod(1 - k / arange(n - c + 1, n + 1))."""
     if n - c < k:
         return 1.0
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
@@ -171,16 +179,16 @@ def load_benchmark(name: str, cfg: EvalConfig) -> tuple[str, Benchmark, list[tup
 
 
 def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path) -> dict:
-    """Samples and grades every benchmark; finished problems are kept in <benchmark>.jsonl, so a rerun after a
-    crash only generates what is missing."""
+    """Samples and grades every benchmark; finished problems are kept in <benchmark>.jsonl, so a
+    rerun after a crash only generates what is missing."""
     device = torch.device(
         cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     )
-    output_dir.mkdir(parents=True, exist_ok=True)
     n = 1 if cfg.protocol == "paper" else cfg.n
     benchmarks = [
         load_benchmark(name.strip(), cfg) for name in cfg.benchmarks.split(",") if name.strip()
     ]
+    output_dir.mkdir(parents=True, exist_ok=True)  # once the benchmarks are known to load
     tokenizer = cwgrpo.load_tokenizer(model_path)
     model = cwgrpo.load_model(
         model_path, torch.bfloat16 if device.type == "cuda" else torch.float32, device
@@ -304,8 +312,8 @@ def last_boxed(text: str) -> str:
 
 
 def summarise(problems: list[dict], n: int) -> dict:
-    """pass@1 (mean over samples and problems), pass@k for the k that n allows, the spread over sample
-    indices (each a seed), counts; and the problems themselves."""
+    """pass@1 (mean over samples and problems), pass@k for the k that n allows, the spread over
+    sample indices (each a seed), counts; and the problems themselves."""
     correct = torch.tensor([p["correct"] for p in problems], dtype=torch.float64)  # (problems, n)
     per_sample = correct.mean(0) * 100
     counts = correct.sum(1).long().tolist()
@@ -360,7 +368,8 @@ def write_results(output_dir: Path, model_path: str, cfg: EvalConfig, results: d
         )
     )
     note = (
-        f"pass@1 in %, {n} sample{'s' if n > 1 else ''} per problem at temperature {cfg.temperature}, "
+        f"pass@1 in %, {n} sample{'s' if n > 1 else ''} per problem at temperature "
+        f"{cfg.temperature}, "
         f"top-p {cfg.top_p}, up to {cfg.max_new_tokens} new tokens"
         + (
             ", ± the std over sample indices"

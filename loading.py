@@ -160,3 +160,10 @@ def chat_prompt_ids(tokenizer, question: str, system_prompt: str) -> list[int]:
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)[
         "input_ids"
     ]
+
+
+def enable_checkpointing(model) -> None:
+    """Activation (gradient) checkpointing. transformers renamed gradient_checkpointing_enable to
+    activation_checkpointing_enable, warning on the old name; older 5.x releases (vLLM pins one)
+    have only the old name."""
+    getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()

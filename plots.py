@@ -11,7 +11,7 @@ from pathlib import Path
 
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from runtime import read_records
+from runtime import never_fatal, read_records
 
 
 def pyplot():
@@ -338,3 +338,14 @@ def token_page(
         f'</select></label></p>{legend}{"".join(body)}<script type="application/json" id="data">'
         f"{data}</script><script>{TOKEN_PAGE_SCRIPT}</script></body></html>\n"
     )
+
+
+def draw_run(
+    output_dir: Path, title: str, method: str, methods: dict, views: list[dict], note: str = ""
+) -> None:
+    """A run's curves.png and tokens.html (token_page's arguments). A picture never costs the
+    run: either failing warns once, in one line, and the run trains on."""
+    with never_fatal("draw curves.png"):
+        plot_run(output_dir / "metrics.jsonl", output_dir / "curves.png", title)
+    with never_fatal("write tokens.html"):
+        token_page(output_dir / "tokens.html", title, method, methods, views, note)

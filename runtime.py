@@ -95,7 +95,7 @@ class TimeoutPool:
         self.threads = ThreadPoolExecutor(len(self.workers))  # each thread drives one worker
 
     def submit(self, calls: list[tuple]) -> Future:
-        """A future of [fn(*args) for args in calls], in order; the calls are shared among workers."""
+        """A future of [fn(*args) for args in calls], in order, the calls shared among workers."""
         shares = [calls[i :: len(self.workers)] for i in range(len(self.workers))]
         parts = [
             self.threads.submit(lambda w=w, s=s: [w.call(a, self.on_timeout) for a in s])
@@ -498,7 +498,11 @@ def prepare_output_dir(
     record = output_dir / "run_config.json"
     if resume_from is not None and record.exists():
         recorded = json.loads(record.read_text())
-        changed = {k: [recorded.get(k), v] for k, v in config.items() if recorded.get(k) != v}
+        changed = {
+            k: [recorded.get(k), v]
+            for k, v in config.items()
+            if recorded.get(k) != v and k not in ("resume", "overwrite_output_dir")
+        }
         recorded.setdefault("resumes", []).append({"from": resume_from.name, "changed": changed})
         write_atomically(record, json.dumps(recorded, indent=2))
         return output_dir
@@ -522,13 +526,19 @@ def arg(default, help: str, **metadata):
 
 
 def parse_dataclasses(
-    types: tuple, argv: list, defaults: dict | None = None, hidden: tuple = (), **parser_options
+    types, argv: list, presets: dict | None = None, hidden: tuple = (), **parser_options
 ) -> list:
-    """HfArgumentParser over `types`, with `defaults` in place of the fields' own. Options must be
-    spelt out (no abbreviations: --method is never read as --methods); an unknown one stops in one
-    line naming the closest real option. `hidden` options are left out of --help."""
+    """HfArgumentParser over `types`. With presets (name -> option values), --preset's values are
+    the defaults, and --help says whose they are. Options must be spelt out (no abbreviations:
+    --method is never read as --methods); an unknown one stops in one line naming the closest real
+    option. `hidden` options are left out of --help."""
     parser = HfArgumentParser(types, allow_abbrev=False, **parser_options)
-    parser.set_defaults(**(defaults or {}))
+    if presets:
+        preset_parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+        preset_parser.add_argument("--preset", default=next(iter(presets)), choices=list(presets))
+        preset = preset_parser.parse_known_args(argv)[0].preset
+        parser.set_defaults(**presets[preset])
+        parser.description = f"{parser.description or ''} Defaults shown: --preset {preset}'s."
     for action in parser._actions:
         if action.dest in hidden:
             action.help = argparse.SUPPRESS
@@ -538,6 +548,27 @@ def parse_dataclasses(
     if unknown:
         raise SystemExit(unknown_option_error(unknown, parser))
     return parsed
+
+
+# What each rule of check_rules means
+RULE_TESTS = {
+    ">= 2": lambda v: v >= 2,
+    "> 0": lambda v: v > 0,
+    ">= 0": lambda v: v >= 0,
+    "in (0, 1]": lambda v: 0 < v <= 1,
+    "in [0, 1]": lambda v: 0 <= v <= 1,
+    "in [0, 100]": lambda v: 0 <= v <= 100,
+}
+
+
+def check_rules(options, rules: list[tuple[str, str]]) -> None:
+    """Each (rule, names) row: the options named (space-separated) must meet the rule; the first
+    that does not stops in one line."""
+    for rule, names in rules:
+        for name in names.split():
+            if not RULE_TESTS[rule](getattr(options, name)):
+                value = getattr(options, name)
+                raise SystemExit(f"error: --{name.replace('_', '-')} must be {rule}; got {value}")
 
 
 def unknown_option_error(unknown: list[str], parser: argparse.ArgumentParser) -> str:

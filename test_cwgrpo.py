@@ -1,4 +1,5 @@
-"""Focused tests for cwgrpo.py: exact values on hand-computed cases, invariants, short tiny-model runs.
+"""Focused tests for cwgrpo.py: exact values on hand-computed cases, invariants, short tiny-model
+runs.
 
 Run: python -m pytest -q test_cwgrpo.py   (CPU, no network)
 """
@@ -43,8 +44,9 @@ def hf_home(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------- cw
 
 # Hand-computed case: G = 2, T_pad = 3, the first response has 2 tokens and the second 3.
-# mu = (-1.5, -1.0); centred advantages (1, -1); scores c = (0.5, -0.5 | -0.5, 0.5, 0) on the five real
-# tokens: mean 0, variance 4 * 0.25 / 5 = 0.2; kernel exp(-0.25 / 0.4) = exp(-0.625) where |c| = 0.5, 1 at c = 0.
+# mu = (-1.5, -1.0); centred advantages (1, -1); scores c = (0.5, -0.5 | -0.5, 0.5, 0) on the five
+# real tokens: mean 0, variance 4 * 0.25 / 5 = 0.2; kernel exp(-0.25 / 0.4) = exp(-0.625) where
+# |c| = 0.5, 1 at c = 0.
 LOGP = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -1.5, -1.0]])
 MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
 ADV = torch.tensor([1.0, -1.0])
@@ -257,7 +259,7 @@ def test_rollout_logprobs_match_unpadded_forward(tiny_model):
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["cw", "grpo"])
 def test_gradient_does_not_depend_on_micro_batching(tiny_model, method):
-    """Per-group statistics and step-wide normalisers: one micro-batch of 2 groups == 2 of 1 group."""
+    """Per-group statistics and step-wide normalisers: a micro-batch of 2 groups == 2 of 1 group."""
     model, tokenizer = tiny_model
     batch = [(cwgrpo.chat_prompt_ids(tokenizer, q, ""), "\\boxed{3}") for q in ["1+2", "2+1"]]
     grads = []
@@ -297,7 +299,7 @@ def test_gradient_does_not_depend_on_micro_batching(tiny_model, method):
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
 
 
-# ------------------------------------------------------------------------------------- config, errors
+# ----------------------------------------------------------------------------------- config, errors
 
 
 @pytest.mark.slow
@@ -606,7 +608,8 @@ def method_cfg(*args):
     return cwgrpo.parse_config(["--preset", "tiny", *args])
 
 
-# Covariance case: valid log-probs -1, -3 | -2, -2, -2 (mean -2); advantages 2 | -2 (token mean -0.4);
+# Covariance case: valid log-probs -1, -3 | -2, -2, -2 (mean -2); advantages 2 | -2 (token mean
+# -0.4);
 # C = (1)(2.4) = 2.4, (-1)(2.4) = -2.4, then 0, 0, 0.
 COV_LOGP = torch.tensor([[-1.0, -3.0, 0.0], [-2.0, -2.0, -2.0]])
 COV_MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
@@ -933,6 +936,9 @@ def test_evaluate_tiny_model_on_a_local_file_and_resume(tiny_run, tmp_path):
 def test_evaluate_rejects_unknown_benchmark(tiny_run):
     with pytest.raises(SystemExit, match="unknown benchmark 'aime25'; known: aime24, math500"):
         evaluate.main(["--model", str(tiny_run / "final-model"), "--benchmarks", "aime25"])
+    assert not evaluate.default_output_dir(
+        str(tiny_run / "final-model")
+    ).exists()  # no empty folder
 
 
 @pytest.mark.slow
@@ -1290,7 +1296,7 @@ def test_total_length_limit_caps_prompt_plus_completion(tiny_base):
 
 
 def test_math_verify_cutoffs_are_counted():
-    counter = cwgrpo.LogCounter.installed("math_verify", "Timeout during")
+    counter = runtime.LogCounter.installed("math_verify", "Timeout during")
     before = counter.count
     import logging
 
@@ -1503,7 +1509,7 @@ def test_a_run_leaves_its_curves_and_a_valid_small_token_page(tiny_run):
     assert parser.stack == []
     for index, view in enumerate(views):  # every token's text, once per view, in order
         assert parser.views[index] == [token for tokens in view["tokens"] for token in tokens]
-        assert set(view["weights"]) == set(cwgrpo.METHODS)
+        assert list(view["weights"]) == [name for name, *_ in cwgrpo.method_passes()]
     embedded = page.split('<script type="application/json" id="data">')[1].split("</script>")[0]
     assert json.loads(embedded)["views"][0]["weights"] == views[0]["weights"]
 
@@ -1695,7 +1701,7 @@ def test_the_paper_recipe_code_path_runs_and_resumes_on_cpu(tmp_path, tiny_base)
     torch.manual_seed(0)
     model = tiny.Qwen2ForCausalLM(config)
     assert model.get_output_embeddings().weight is not model.get_input_embeddings().weight
-    cwgrpo.save_checkpoint(tmp_path, "qwen-1.5b-shaped", model, tokenizer)
+    runtime.save_checkpoint(tmp_path, "qwen-1.5b-shaped", model, tokenizer)
     args = [
         "--preset",
         "paper-1.5b",
@@ -1761,13 +1767,13 @@ KILL_POINTS = {  # CWGRPO_FAULT -> where the run dies
     "cwgrpo:policy_token_stats:4": "step 3's reference pass (calls: ref 1, page 1, ref 2, ref 3)",
     "cwgrpo:accumulate_gradients:3:after": "step 3's update, after backward, before the step",
     "torch.optim:AdamW.step:5:after": "step 5's update, after the optimizer step",
-    "cwgrpo:append_record:3:torn": "writing step 3's record to metrics.jsonl (half a line)",
+    "runtime:append_record:3:torn": "writing step 3's record to metrics.jsonl (half a line)",
     "transformers:PreTrainedModel.save_pretrained:2:after": "checkpoint-4: weights written",
     "transformers:PreTrainedTokenizerBase.save_pretrained:2:after": "checkpoint-4: tokenizer",
     "torch:save:2:after": "checkpoint-4: trainer state written, not yet renamed",
     "plots:plot_run:1": "just after checkpoint-2 is complete, before its pictures",
     "plots:token_page:2": "drawing checkpoint-4's token page",
-    "cwgrpo:save_checkpoint:4": "after every step, before final-model is written",
+    "runtime:save_checkpoint:4": "after every step, before final-model is written",
 }
 
 

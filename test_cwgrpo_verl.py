@@ -1,4 +1,5 @@
-"""cwgrpo_verl.py against verl: the registry, the same losses as cwgrpo.py, and verl's own clip_cov/kl_cov.
+"""cwgrpo_verl.py against verl: the registry, the same losses as cwgrpo.py, and verl's own
+clip_cov/kl_cov.
 
 Skipped where verl is not installed; CI runs it in its own venv with verl pinned (see .ci/run).
 """
@@ -187,7 +188,8 @@ def test_kl_cov_agrees_with_verls_kl_cov_and_the_default_ratio_differs():
 def test_converter_and_reward_in_verls_formats(tmp_path):
     data = tmp_path / "open-rs-sample.jsonl"
     data.write_text(
-        '{"problem": "What is 1/2 + 1/4?", "solution": "It is $\\\\boxed{\\\\frac{3}{4}}$.", "level": 1}\n'
+        '{"problem": "What is 1/2 + 1/4?", '
+        '"solution": "It is $\\\\boxed{\\\\frac{3}{4}}$.", "level": 1}\n'
     )
     path = cwgrpo_verl.convert(str(data), str(tmp_path / "verl"))
     import pandas

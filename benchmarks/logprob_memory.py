@@ -1,11 +1,12 @@
-"""Peak memory of log-probs + entropy + backward through the LM head: cwgrpo's chunked path against the
-direct full-logits computation, on CPU with just an LM head (no transformer layers).
+"""Peak memory of log-probs + entropy + backward through the LM head: cwgrpo's chunked path against
+the direct full-logits computation, on CPU with just an LM head (no transformer layers).
 
-    python benchmarks/logprob_memory.py            # Qwen's vocab 151,936, hidden 1,536, 2 x 2,048 tokens
+    python benchmarks/logprob_memory.py    # Qwen's vocab 151,936, hidden 1,536, 2 x 2,048 tokens
 
-Each path runs in its own process, so each peak (the growth of the process's maximum resident set during
-the computation) is measured from the same starting point. Both processes save their results, compared at
-the end. Goal (issue 6): the chunked peak at most a quarter of the direct one, with identical results.
+Each path runs in its own process, so each peak (the growth of the process's maximum resident set
+during the computation) is measured from the same starting point. Both processes save their results,
+compared at the end. Goal (issue 6): the chunked peak at most a quarter of the direct one, with
+identical results.
 """
 
 import argparse
@@ -75,8 +76,9 @@ def main() -> None:
         return run_one(args.path, args, Path(args.out))
 
     print(
-        f"vocab {args.vocab}, hidden {args.hidden}, {args.completions} completions x {args.tokens} tokens, "
-        f"chunks of {args.chunk_elements} logits ({max(1, args.chunk_elements // args.vocab)} positions)"
+        f"vocab {args.vocab}, hidden {args.hidden}, {args.completions} completions x "
+        f"{args.tokens} tokens, chunks of {args.chunk_elements} logits "
+        f"({max(1, args.chunk_elements // args.vocab)} positions)"
     )
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -88,13 +90,15 @@ def main() -> None:
             )
             results[path] = torch.load(out)
             print(
-                f"{path:8s} peak +{results[path]['peak_mib']:8.0f} MiB   {results[path]['seconds']:6.2f} s"
+                f"{path:8s} peak +{results[path]['peak_mib']:8.0f} MiB   "
+                f"{results[path]['seconds']:6.2f} s"
             )
     direct, chunked = results["direct"], results["chunked"]
     for key in ("logp", "entropy", "hidden_grad", "weight_grad_projection"):
         difference = (direct[key] - chunked[key]).abs().max().item()
         print(
-            f"max |direct - chunked| of {key}: {difference:.2e} (largest value {direct[key].abs().max().item():.3g})"
+            f"max |direct - chunked| of {key}: {difference:.2e} "
+            f"(largest value {direct[key].abs().max().item():.3g})"
         )
         scale = direct[key].abs().max().item()
         assert difference <= 1e-5 * max(1.0, scale), (
@@ -102,7 +106,8 @@ def main() -> None:
         )
     ratio = chunked["peak_mib"] / direct["peak_mib"]
     print(
-        f"chunked / direct peak memory: {ratio:.3f} (goal <= 0.25: {'met' if ratio <= 0.25 else 'NOT met'})"
+        f"chunked / direct peak memory: {ratio:.3f} "
+        f"(goal <= 0.25: {'met' if ratio <= 0.25 else 'NOT met'})"
     )
 
 

@@ -2,11 +2,12 @@
 
     python benchmarks/method_cost.py              # G = 12, completions of up to 4,096 tokens
 
-For every method: the time of its token terms (weights, masks, extra terms) plus the PPO-clip/KL loss,
-its aggregation and the backward pass to the log-probs, for one group, the median of --repeats runs.
-ict also needs its JS divergence, which reads the full next-token distributions through the LM head at
-Qwen's vocabulary; that part is timed separately at --ict-tokens positions (CPU time grows linearly with
-them) and set beside the chunked log-prob pass of the same positions, which every method pays.
+For every method: the time of its token terms (weights, masks, extra terms) plus the PPO-clip/KL
+loss, its aggregation and the backward pass to the log-probs, for one group, the median of --repeats
+runs. ict also needs its JS divergence, which reads the full next-token distributions through the LM
+head at Qwen's vocabulary; that part is timed separately at --ict-tokens positions (CPU time grows
+linearly with them) and set beside the chunked log-prob pass of the same positions, which every
+method pays.
 """
 
 import argparse
@@ -80,7 +81,7 @@ def main() -> None:
     base = timed(lambda: step("grpo"), args.repeats)
     print(f"{'method':10s} {'ms':>8s} {'x grpo':>7s}")
     for name in cwgrpo.METHODS:
-        seconds = base if name == "grpo" else timed(lambda: step(name), args.repeats)
+        seconds = base if name == "grpo" else timed(lambda name=name: step(name), args.repeats)
         print(f"{name:10s} {1000 * seconds:8.2f} {seconds / base:7.2f}")
 
     positions = args.ict_tokens
@@ -99,7 +100,8 @@ def main() -> None:
     scale = mask.sum().item() / (G * positions)
     print(
         f"ict divergence at vocab {args.vocab}, hidden {args.hidden}, {G} x {positions} positions: "
-        f"{divergence_s:.2f} s, {divergence_s / logprob_s:.2f} x the chunked log-prob forward pass of the same "
+        f"{divergence_s:.2f} s, {divergence_s / logprob_s:.2f} x the chunked log-prob forward "
+        f"pass of the same "
         f"positions ({logprob_s:.2f} s); scaled to this group's {int(mask.sum())} tokens: about "
         f"{divergence_s * scale:.0f} s, {divergence_s * scale / base:.0f} x grpo's loss time"
     )

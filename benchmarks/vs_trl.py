@@ -1,15 +1,16 @@
-"""Training speed of cwgrpo.py against TRL's GRPOTrainer on the same tiny model, task, reward and batch.
+"""Training speed of cwgrpo.py against TRL's GRPOTrainer on the same tiny model, task, reward and
+batch.
 
     pip install trl==1.16.0    # not a project requirement; TRL 1.16 was measured
     python benchmarks/vs_trl.py --steps 30 --rounds 2 --betas 0,0.04
 
-Both start from the same warm-started tiny Qwen2 (the tiny preset's base model), train GRPO on the tiny
-arithmetic task with the same reward (cwgrpo's math-verify accuracy + format), prompts x G completions
-per step, the same generation limit, temperature, learning rate and one update per batch, at each beta
-(0: no reference model; 0.04, the paper's: a reference model and the k3 KL on both sides).
-Runs alternate (cwgrpo, TRL, cwgrpo, TRL, ...), each in its own process with the same threads. Speed counts
-steps 2 to N from per-step timestamps (set-up and the first step left out, for both); the script prints
-steps/s of each, the ratio, and each process's peak resident memory.
+Both start from the same warm-started tiny Qwen2 (the tiny preset's base model), train GRPO on the
+tiny arithmetic task with the same reward (cwgrpo's math-verify accuracy + format), prompts x G
+completions per step, the same generation limit, temperature, learning rate and one update per
+batch, at each beta (0: no reference model; 0.04, the paper's: a reference model and the k3 KL on
+both sides). Runs alternate (cwgrpo, TRL, cwgrpo, TRL, ...), each in its own process with the same
+threads. Speed counts steps 2 to N from per-step timestamps (set-up and the first step left out, for
+both); the script prints steps/s of each, the ratio, and each process's peak resident memory.
 """
 
 import argparse
@@ -163,7 +164,7 @@ def main() -> None:
             step_ends = (run_cwgrpo if args.trainer == "cwgrpo" else run_trl)(
                 args, Path(args.base_model), Path(tmp)
             )
-        # steps 2..N: the first step and all set-up (loading, tokenising, compiling kernels) are left out
+        # steps 2..N: the first step and all set-up (loading, tokenising, compiling) are left out
         print(
             json.dumps(
                 {
@@ -178,7 +179,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         base_model = tiny.build(tmp) / "model"
         print(
-            f"{args.steps} steps of {args.prompts} prompts x G = {args.group_size}, up to 40 new tokens, "
+            f"{args.steps} steps of {args.prompts} prompts x G = {args.group_size}, "
+            f"up to 40 new tokens, "
             f"one update per batch, {os.cpu_count()} CPU threads, TRL {version('trl')}, "
             f"transformers {version('transformers')}, torch {version('torch')}"
         )
@@ -216,7 +218,8 @@ def main() -> None:
                     results[trainer].append(result)
                     print(
                         f"beta {beta:g} round {round_index + 1} {trainer:6s}: "
-                        f"{result['steps'] / result['seconds']:.3f} steps/s ({result['seconds']:.1f} s), "
+                        f"{result['steps'] / result['seconds']:.3f} steps/s "
+                        f"({result['seconds']:.1f} s), "
                         f"peak RSS {result['peak_rss_mib']:.0f} MiB"
                     )
             speed = {
@@ -228,7 +231,8 @@ def main() -> None:
                 for c, t in zip(results["cwgrpo"], results["trl"])
             ]
             print(
-                f"beta {beta:g}: cwgrpo {speed['cwgrpo']:.3f} steps/s, TRL {speed['trl']:.3f} steps/s: "
+                f"beta {beta:g}: cwgrpo {speed['cwgrpo']:.3f} steps/s, "
+                f"TRL {speed['trl']:.3f} steps/s: "
                 f"cwgrpo / TRL = {speed['cwgrpo'] / speed['trl']:.2f} (per round: "
                 f"{', '.join(f'{r:.2f}' for r in ratios[beta])}; goal >= 1.5)"
             )
