@@ -8,11 +8,11 @@ kill or a failed write does to a run. test_cwgrpo.py's fault-injection tests dri
 
 CWGRPO_FAULT is module:attribute:N[:mode], the attribute dotted for a method (Class.method) and
 looked up where the caller finds it (cwgrpo calls runtime.append_record, so runtime:append_record;
-it imports Grader's class into its own namespace, so cwgrpo:Grader.submit). Modes: kill (before the
-Nth call; the default), after (once it returns), torn (for an append of one JSON record to a file:
-half the line is written, then the kill), enospc (the call raises OSError ENOSPC, as a full disk
-does). The kill is SIGKILL, as from the OOM killer or a preempted job: no handler runs, no file is
-closed, the grading workers are orphaned.
+Grader is cwgrpo's own class, so cwgrpo:Grader.submit). Modes: kill (before the Nth call; the
+default), after (once it returns), torn (for an append of one JSON record to a file: half the line
+is written, then the kill), enospc (the call raises OSError ENOSPC, as a full disk does). The kill
+is SIGKILL, as from the OOM killer or a preempted job: no handler runs, no file is closed, the
+grading workers are orphaned.
 """
 
 import errno
