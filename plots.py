@@ -169,7 +169,8 @@ def run_summary(output_dir: Path, wall_s: float, temperature: float, evaluate_co
             f"checkpoints: {', '.join(map(str, checkpoints))}",
             f"final model: {output_dir / 'final-model'}",
             f"pictures:    {output_dir / 'curves.png'} and {output_dir / 'tokens.html'}",
-            f"evaluate it: {evaluate_command} (its temperature, not the run's, shapes pass@1)",
+            f"evaluate it: {evaluate_command} (at evaluate.py's own --temperature, which its "
+            "results state)",
         ]
     )
 
