@@ -48,7 +48,7 @@ class AblationConfig:
         "all, or cw-readings (GRPO and CW-GRPO's readings)",
     )
     seeds: int = arg(5, "runs per method, with seeds 0 .. seeds-1")
-    preset: Literal["paper-1.5b", "paper-7b", "tiny"] = arg(
+    preset: Literal["paper-1.5b", "paper-7b", "qwen0.5b-24gb", "tiny"] = arg(
         "tiny", "the recipe every run uses; options after -- go to every run"
     )
     output_dir: str = arg(

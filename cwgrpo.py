@@ -25,21 +25,14 @@ import transformers
 from latex2sympy2_extended import NormalizationConfig
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
+import loading
+import memory_plan
 import plots
 import runtime
 import tiny
 from lm_head import chunked_logprobs, ict_divergence
-from loading import (
-    chat_prompt_ids,
-    check_model_path,
-    enable_checkpointing,
-    load_dataset,
-    load_model,
-    load_reference,
-    load_tokenizer,
-)
 from runtime import arg
-from sampling import generate_completions
+from sampling import attention_mask, generate_completions
 
 # 1. Config --------------------------------------------------------------------------------------
 # The system prompt Open-RS trains with (the paper's training data).
@@ -63,6 +56,7 @@ RULES = [
     ("in (0, 1]", "entropy_top_frac"),
     (">= 0", "top_k accuracy_weight format_weight reward_workers beta eps_low eps_high"),
     (">= 0", "kl_cov_coef stapo_max_prob weight_decay seed threads"),
+    (">= 0", "rollout_chunk save_total_limit"),
     ("in [0, 1]", "ar_alpha ar_lopti_alpha min_lr_ratio warmup_ratio"),
     ("in [0, 100]", "stapo_entropy_percentile"),
 ]
@@ -73,7 +67,9 @@ class Config:
     """The defaults are the released 1.5B recipe (docs/math.md, "Recipe"); PRESETS override some.
     --help shows the defaults of the --preset given (paper-1.5b when none is)."""
 
-    preset: Literal["paper-1.5b", "paper-7b", "tiny"] = arg("paper-1.5b", "a recipe (PRESETS)")
+    preset: Literal["paper-1.5b", "paper-7b", "qwen0.5b-24gb", "tiny"] = arg(
+        "paper-1.5b", "PRESETS"
+    )
     method: str = arg("cw", "token-weighting method: one of METHODS (section 7, listed below)")
     model: str = arg("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", "hub id or local folder")
     dataset: str = arg("knoveleng/open-rs", "hub id or local .json/.jsonl/.parquet/.csv file")
@@ -140,6 +136,9 @@ class Config:
     resume: bool = arg(False, "continue from the newest complete checkpoint in --output-dir")
     overwrite_output_dir: bool = arg(False, "start afresh in an --output-dir that holds a run")
     log_every: int = arg(10, "without a terminal, print a progress line every this many steps")
+    rollout_chunk: int = arg(0, "prompts sampled at once, which bounds the KV cache; 0: all")
+    save_total_limit: int = arg(0, "keep only the newest this many checkpoints; 0: all")
+    plan: bool = arg(False, "print the memory and disk plan (memory_plan.py) and exit")
 
     def __post_init__(self):
         """Every option is checked here, at parse time, before any slow work."""
@@ -177,13 +176,16 @@ PRESETS = {
     "paper-1.5b": {},  # the Config defaults are this recipe
     # Qwen2.5-Math-7B has 4,096 positions: prompt + completion fit in them with --length-limit total
     "paper-7b": dict(model="Qwen/Qwen2.5-Math-7B-Instruct", format_weight=0.0, steps=150),
+    # The 1.5B recipe on one 24 GB card: TRL's quick-start model, 3,072 positions, 4 prompts at once
+    "qwen0.5b-24gb": dict(model="Qwen/Qwen2.5-0.5B-Instruct", max_completion_length=3072)
+    | dict(rollout_chunk=4),
     "tiny": dict(model="runs/tiny-base/model", dataset="runs/tiny-base/arithmetic.jsonl")
     | dict(system_prompt="", group_size=8, prompts_per_step=8, groups_per_micro_batch=8)
     | dict(max_prompt_length=64, max_completion_length=40, length_limit="new", temperature=1.0)
     | dict(learning_rate=7e-4, warmup_ratio=0.05, steps=200, save_every=50, seed=0)
     | dict(gradient_checkpointing=False),
 }
-GPU_PRESETS = ("paper-1.5b", "paper-7b")
+GPU_PRESETS = ("paper-1.5b", "paper-7b", "qwen0.5b-24gb")
 EVALUATE_OPTIONS = {
     "tiny": " --benchmarks benchmarks/tiny-arithmetic.jsonl --gold-format expr "
     "--prompt-template '{question}' --top-p 1.0 --max-new-tokens 40"
@@ -207,7 +209,7 @@ class PromptStream:
 
     def __init__(self, dataset, tokenizer, cfg: Config):
         pairs = [
-            (chat_prompt_ids(tokenizer, str(question), cfg.system_prompt), str(gold))
+            (loading.chat_prompt_ids(tokenizer, str(question), cfg.system_prompt), str(gold))
             for question, gold in zip(dataset[cfg.question_column], dataset[cfg.gold_column])
         ]
         self.items = [(ids, gold) for ids, gold in pairs if len(ids) <= cfg.max_prompt_length]
@@ -349,11 +351,12 @@ class Rollout:
 def sample(model, tokenizer, batch: list[tuple[list[int], str]], cfg: Config) -> Rollout:
     """G completions per prompt with plain temperature sampling (top-p/top-k only where set)."""
     model.eval()
-    total = cfg.max_completion_length if cfg.length_limit == "total" else None
-    prompts, limit = [ids for ids, _ in batch], cfg.max_completion_length
-    sampling = (cfg.group_size, cfg.temperature, cfg.top_p, cfg.top_k, limit, total)
+    limit = cfg.max_completion_length
+    total = limit if cfg.length_limit == "total" else None
+    distribution = (cfg.group_size, cfg.temperature, cfg.top_p, cfg.top_k, limit, total)
+    prompts = [ids for ids, _ in batch]
     prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts = (
-        generate_completions(model, tokenizer, prompts, *sampling)
+        generate_completions(model, tokenizer, prompts, *distribution, cfg.rollout_chunk)
     )
     golds = [gold for _, gold in batch for _ in range(cfg.group_size)]
     if cfg.mask_truncated_completions:  # out of the loss, not out of the reward
@@ -368,9 +371,10 @@ def completion_logprobs(model, rollout: Rollout, cfg: Config):
     """(N, T) log-probs of the sampled completion tokens and the entropies there, 0 on padding;
     and the (N, T, hidden) states that predict them."""
     input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
-    attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask.long()], 1)
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # as generate() numbers them
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    attention_mask_2d = torch.cat([rollout.prompt_mask, rollout.completion_mask.long()], 1)
+    position_ids = (attention_mask_2d.cumsum(1) - 1).clamp(min=0)  # as generate() numbers them
+    mask = attention_mask(model, attention_mask_2d)  # None without left padding: causal alone
+    inputs = dict(input_ids=input_ids, attention_mask=mask, position_ids=position_ids)
     hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state
     prompt_width = rollout.prompt_ids.shape[1]
     hidden = hidden[:, prompt_width - 1 : -1]  # the state at position t predicts completion token t
@@ -835,6 +839,11 @@ def draw(output_dir: Path, cfg: Config, views: list[dict]) -> None:
 RESUME_MAY_CHANGE = ("steps", "save_every", "log_every", "reward_workers", "output_dir")
 
 
+def build_tiny_model(cfg: Config) -> None:
+    if cfg.model == PRESETS["tiny"]["model"] and not Path(cfg.model).exists():
+        tiny.build(str(Path(cfg.model).parent))  # the demo's model, built on first use
+
+
 def train(cfg: Config, on_rollout: Callable | None = None) -> Path:
     """GRPO with cfg.method's token terms. on_rollout(step, model, rollout, autocast), if given,
     sees each scored rollout batch before the update (diagnose.py uses it)."""
@@ -853,14 +862,16 @@ def train(cfg: Config, on_rollout: Callable | None = None) -> Path:
     output_dir = Path(cfg.output_dir)
     lock = runtime.RunLock(output_dir)  # a folder a live run holds: stop here
     with lock, runtime.StopRequest() as stop:
-        if cfg.model == PRESETS["tiny"]["model"] and not Path(cfg.model).exists():
-            tiny.build(str(Path(cfg.model).parent))  # the demo's model, built on first use
-        check_model_path(cfg.model)
-        resume_from = runtime.check_resumable(output_dir, cfg.resume)
+        build_tiny_model(cfg)
+        loading.check_model_path(cfg.model)
         options = dataclasses.asdict(cfg)
+        if device.type == "cuda":  # before anything loads: a run that cannot fit stops here
+            memory_plan.check_fit(cfg.model, options, torch.cuda.mem_get_info()[0])
+        resume_from = runtime.check_resumable(output_dir, cfg.resume)
         if resume_from and runtime.check_resume(resume_from, options, cfg.steps, RESUME_MAY_CHANGE):
             return output_dir
-        dataset = load_dataset(cfg.dataset, cfg.dataset_split, cfg.question_column, cfg.gold_column)
+        columns = (cfg.question_column, cfg.gold_column)
+        dataset = loading.load_dataset(cfg.dataset, cfg.dataset_split, *columns)
         with Grader(cfg.reward_timeout_s, reward_worker_count(cfg)) as grader:
             run(cfg, device, dataset, resume_from, grader, on_rollout, stop)
     evaluate = f"python evaluate.py --model {output_dir / 'final-model'}"
@@ -877,12 +888,12 @@ def run(cfg: Config, device, dataset, resume_from, grader: Grader, on_rollout, s
     runtime.prepare_output_dir(output_dir, resume_from, cfg.overwrite_output_dir, config | used)
     transformers.utils.logging.disable_progress_bar()
     print(f"loading {resume_from or cfg.model} ...", flush=True)
-    tokenizer = load_tokenizer(str(resume_from or cfg.model))
+    tokenizer = loading.load_tokenizer(str(resume_from or cfg.model))
     prompts = PromptStream(dataset, tokenizer, cfg)
-    model = load_model(str(resume_from or cfg.model), torch.float32, device)  # fp32 masters
-    reference = load_reference(cfg.model, device) if cfg.beta > 0 else None
+    model = loading.load_model(str(resume_from or cfg.model), torch.float32, device)  # fp32 masters
+    reference = loading.load_reference(cfg.model, device) if cfg.beta > 0 else None
     if cfg.gradient_checkpointing:
-        enable_checkpointing(model)
+        loading.enable_checkpointing(model)
     method = METHODS[cfg.method]
     if cfg.method == "kl_cov" and cfg.num_iterations == 1:
         print(
@@ -891,8 +902,9 @@ def run(cfg: Config, device, dataset, resume_from, grader: Grader, on_rollout, s
         )
     updates_per_rollout = cfg.num_iterations * method.update_passes
     total_updates = cfg.steps * updates_per_rollout
+    fused = device.type == "cuda"  # one kernel, no foreach temporaries (params x 4 bytes)
     optimizer = torch.optim.AdamW(
-        model.parameters(), cfg.learning_rate, weight_decay=cfg.weight_decay
+        model.parameters(), cfg.learning_rate, weight_decay=cfg.weight_decay, fused=fused
     )
     warmup, min_lr = int(cfg.warmup_ratio * total_updates), cfg.min_lr_ratio
     scheduler = transformers.get_cosine_with_min_lr_schedule_with_warmup(
@@ -900,7 +912,7 @@ def run(cfg: Config, device, dataset, resume_from, grader: Grader, on_rollout, s
     )
     start_step, views = 0, []
     if resume_from is not None:
-        state = torch.load(resume_from / "trainer_state.pt", weights_only=False)
+        state = runtime.load_trainer_state(resume_from)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         runtime.set_rng_states(state["rng"])
@@ -956,7 +968,8 @@ def run(cfg: Config, device, dataset, resume_from, grader: Grader, on_rollout, s
             }
             files = {"run_config.json": json.dumps(config, indent=2)}
             name = f"checkpoint-{step + 1}"
-            runtime.save_checkpoint(output_dir, name, model, tokenizer, trainer_state, files)
+            keep = cfg.save_total_limit
+            runtime.save_checkpoint(output_dir, name, model, tokenizer, trainer_state, files, keep)
             draw(output_dir, cfg, views)
         if stop.requested:
             raise SystemExit(
@@ -969,6 +982,9 @@ def run(cfg: Config, device, dataset, resume_from, grader: Grader, on_rollout, s
 
 def main(argv=None) -> None:
     cfg = parse_config(argv)
+    if cfg.plan:
+        build_tiny_model(cfg)
+        return print(memory_plan.report(cfg.model, dataclasses.asdict(cfg)))
     try:
         train(cfg)
     except KeyboardInterrupt:

@@ -32,6 +32,7 @@ import torch
 from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 
 import cwgrpo
+import loading
 
 VERL_METHODS = {  # verl name -> (cwgrpo method, Config overrides)
     "cw": ("cw", {}),
@@ -165,7 +166,7 @@ def convert(
     format_weight: float = 1.0,
 ) -> Path:
     """Open-RS (or any problem/solution data) as verl's RL parquet: prompt, reward rule, gold."""
-    rows = cwgrpo.load_dataset(dataset, "train", question_column, gold_column)
+    rows = loading.load_dataset(dataset, "train", question_column, gold_column)
 
     def to_verl(row, index):
         prompt = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 import transformers
 
 import cwgrpo
+import loading
 import plots
 import runtime
 from lm_head import squared_probability_mass
@@ -294,17 +295,17 @@ def batch(argv: list) -> Path:
         cfg.device, cfg.preset if cfg.preset in cwgrpo.GPU_PRESETS else ""
     )
     for path in filter(None, (cfg.model, bcfg.reference_model)):
-        cwgrpo.check_model_path(path)
+        loading.check_model_path(path)
     transformers.utils.logging.disable_progress_bar()
-    tokenizer = cwgrpo.load_tokenizer(cfg.model)
-    model = cwgrpo.load_model(cfg.model, torch.float32, device)
+    tokenizer = loading.load_tokenizer(cfg.model)
+    model = loading.load_model(cfg.model, torch.float32, device)
     reference = (
-        cwgrpo.load_reference(bcfg.reference_model or cfg.model, device) if cfg.beta > 0 else None
+        loading.load_reference(bcfg.reference_model or cfg.model, device) if cfg.beta > 0 else None
     )
     autocast = runtime.bf16_autocast(device)
     torch.manual_seed(cfg.seed)
     prompts = cwgrpo.PromptStream(
-        cwgrpo.load_dataset(cfg.dataset, cfg.dataset_split, cfg.question_column, cfg.gold_column),
+        loading.load_dataset(cfg.dataset, cfg.dataset_split, cfg.question_column, cfg.gold_column),
         tokenizer,
         cfg,
     )

@@ -171,7 +171,7 @@ def load_benchmark(name: str, cfg: EvalConfig) -> tuple[str, Benchmark, list[tup
             f"error: unknown benchmark '{name}'; known: {', '.join(BENCHMARKS)}, or a local "
             f".json/.jsonl/.parquet file"
         )
-    rows = cwgrpo.load_dataset(bench.source, bench.split, bench.question_column, bench.gold_column)
+    rows = loading.load_dataset(bench.source, bench.split, bench.question_column, bench.gold_column)
     problems = [
         (str(q), str(g)) for q, g in zip(rows[bench.question_column], rows[bench.gold_column])
     ]
@@ -189,8 +189,8 @@ def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path) -> dict:
         load_benchmark(name.strip(), cfg) for name in cfg.benchmarks.split(",") if name.strip()
     ]
     output_dir.mkdir(parents=True, exist_ok=True)  # once the benchmarks are known to load
-    tokenizer = cwgrpo.load_tokenizer(model_path)
-    model = cwgrpo.load_model(
+    tokenizer = loading.load_tokenizer(model_path)
+    model = loading.load_model(
         model_path, torch.bfloat16 if device.type == "cuda" else torch.float32, device
     ).eval()
     grader = cwgrpo.Grader(cfg.reward_timeout_s, cwgrpo.reward_worker_count(cfg))
@@ -212,7 +212,7 @@ def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path) -> dict:
         }
         done = finished_problems(progress_path, settings, cfg.overwrite)
         prompts = [
-            cwgrpo.chat_prompt_ids(tokenizer, cfg.prompt_template.replace("{question}", q), "")
+            loading.chat_prompt_ids(tokenizer, cfg.prompt_template.replace("{question}", q), "")
             for q, _ in problems
         ]
         todo = sorted(

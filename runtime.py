@@ -173,11 +173,20 @@ class CachedTimeoutPool(TimeoutPool):
 
 
 def save_checkpoint(
-    output_dir: Path, name: str, model, tokenizer, trainer_state=None, files: dict | None = None
+    output_dir: Path,
+    name: str,
+    model,
+    tokenizer,
+    trainer_state=None,
+    files: dict | None = None,
+    keep: int = 0,
 ) -> Path:
     """Written under a temporary name and renamed at the end: a crash mid-save leaves no
     complete-looking checkpoint, and a save that fails (a full disk, say) stops in one line with
-    the previous checkpoint intact. files: name -> text, written into the checkpoint too."""
+    the previous checkpoint intact. files: name -> text, written into the checkpoint too. The
+    optimizer's state (trainer_state["optimizer"], twice the weights for AdamW) goes to its own
+    optimizer.pt, which only the newest checkpoint keeps: a resume needs no older one, evaluation
+    needs only weights. keep: at most this many checkpoints stay, the newest (0: all)."""
     final, partial = output_dir / name, output_dir / f".{name}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     check_free_disk(output_dir, name, model)
@@ -187,7 +196,9 @@ def save_checkpoint(
         for file_name, text in (files or {}).items():
             (partial / file_name).write_text(text)
         if trainer_state is not None:
-            torch.save(trainer_state, partial / "trainer_state.pt")
+            state = dict(trainer_state)
+            torch.save(state.pop("optimizer"), partial / "optimizer.pt")
+            torch.save(state, partial / "trainer_state.pt")
     except OSError as error:
         shutil.rmtree(partial, ignore_errors=True)
         raise SystemExit(
@@ -196,7 +207,43 @@ def save_checkpoint(
         ) from None
     shutil.rmtree(final, ignore_errors=True)
     os.replace(partial, final)
+    if trainer_state is not None:
+        prune_checkpoints(output_dir, final, keep)
     return final
+
+
+def prune_checkpoints(output_dir: Path, newest: Path, keep: int) -> None:
+    """Older checkpoints lose their optimizer.pt, and all but the newest `keep` (0: all) go."""
+    older = sorted(checkpoints(output_dir), key=checkpoint_step)
+    older.remove(newest)
+    for checkpoint in older:
+        (checkpoint / "optimizer.pt").unlink(missing_ok=True)
+    for checkpoint in older[: max(0, len(older) + 1 - keep)] if keep else []:
+        shutil.rmtree(checkpoint)
+
+
+def checkpoints(output_dir: Path) -> list[Path]:
+    """The run's complete checkpoint-<step> folders (renamed into place: never partial)."""
+    return [
+        p
+        for p in output_dir.glob("checkpoint-*")
+        if p.name[11:].isdigit() and (p / "trainer_state.pt").is_file()
+    ]
+
+
+def checkpoint_step(checkpoint: Path) -> int:
+    return int(checkpoint.name.split("-")[1])
+
+
+def load_trainer_state(checkpoint: Path) -> dict:
+    """trainer_state.pt with the optimizer's state from optimizer.pt (checkpoints written before
+    the split hold it inside trainer_state.pt)."""
+    state = torch.load(checkpoint / "trainer_state.pt", weights_only=False)
+    if (checkpoint / "optimizer.pt").is_file():
+        state["optimizer"] = torch.load(checkpoint / "optimizer.pt", weights_only=False)
+    if "optimizer" not in state:
+        raise SystemExit(f"error: {checkpoint} has no optimizer.pt; resume from a newer checkpoint")
+    return state
 
 
 def checkpoint_bytes(model) -> int:
@@ -225,18 +272,19 @@ def kept_checkpoint(output_dir: Path) -> str:
 
 
 def latest_checkpoint(output_dir: Path) -> Path | None:
-    steps = [
-        int(p.name.split("-")[1])
-        for p in output_dir.glob("checkpoint-*")
-        if p.name.split("-")[1].isdigit() and (p / "trainer_state.pt").is_file()
-    ]
-    return output_dir / f"checkpoint-{max(steps)}" if steps else None
+    """The newest checkpoint a resume can continue: the one with the optimizer's state (every
+    checkpoint of a run written before optimizer.pt existed has it inside)."""
+    found = checkpoints(output_dir)
+    resumable = [p for p in found if (p / "optimizer.pt").is_file()] or found
+    return max(resumable, key=checkpoint_step) if resumable else None
 
 
 def rng_states() -> dict:
+    """The RNG states a run draws from: Python's, the CPU's, and its own GPU's (the current one,
+    not every visible one: a resume on a machine with another GPU count must still work)."""
     states = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
+        states["cuda"] = torch.cuda.get_rng_state()
     return states
 
 
@@ -244,7 +292,8 @@ def set_rng_states(states: dict) -> None:
     random.setstate(states["python"])
     torch.set_rng_state(states["torch"])
     if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+        cuda = states["cuda"]  # a list: every GPU's, as checkpoints before this one saved it
+        torch.cuda.set_rng_state(cuda[0] if isinstance(cuda, list) else cuda)
 
 
 def append_record(path: Path, record: dict) -> None:

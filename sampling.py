@@ -10,6 +10,7 @@ uses; this loop applies nothing else.
 import inspect
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
 from loading import eos_token_ids
@@ -26,10 +27,29 @@ def generate_completions(
     top_k: int,
     max_new_tokens: int,
     max_total: int | None,
+    chunk: int = 0,
 ):
     """n completions of each prompt, the prompts left-padded into one batch: the prompt ids and
     mask, the completion ids, mask and truncation flags, and the decoded texts. With max_total,
-    each prompt + completion holds at most max_total tokens (as vLLM's max model length)."""
+    each prompt + completion holds at most max_total tokens (as vLLM's max model length). With
+    chunk, `chunk` prompts are sampled at a time, which bounds the KV cache; the results are
+    padded into one batch as if sampled together."""
+    if 0 < chunk < len(prompts):
+        parts = [
+            generate_completions(
+                model,
+                tokenizer,
+                prompts[i : i + chunk],
+                n,
+                temperature,
+                top_p,
+                top_k,
+                max_new_tokens,
+                max_total,
+            )
+            for i in range(0, len(prompts), chunk)
+        ]
+        return joined(parts, tokenizer.pad_token_id)
     device = next(model.parameters()).device
     width, pad = max(map(len, prompts)), tokenizer.pad_token_id
     prompt_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
@@ -57,6 +77,67 @@ def generate_completions(
     return prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts
 
 
+def joined(parts: list[tuple], pad: int) -> tuple:
+    """generate_completions' results for consecutive chunks of prompts, as one batch: prompts
+    left-padded and completions right-padded to the widest."""
+    prompt_width = max(part[0].shape[1] for part in parts)
+    completion_width = max(part[2].shape[1] for part in parts)
+
+    def padded(tensors, width, value, left):
+        sides = [(width - t.shape[1], 0) if left else (0, width - t.shape[1]) for t in tensors]
+        return torch.cat([F.pad(t, side, value=value) for t, side in zip(tensors, sides)])
+
+    prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts = zip(*parts)
+    return (
+        padded(prompt_ids, prompt_width, pad, left=True),
+        padded(prompt_mask, prompt_width, 0, left=True),
+        padded(completion_ids, completion_width, pad, left=False),
+        padded(completion_mask, completion_width, 0, left=False),
+        torch.cat(truncated),
+        [text for part in texts for text in part],
+    )
+
+
+class KVCache(DynamicCache):
+    """A DynamicCache that holds keys and values in one dtype. Under bf16 autocast the keys come
+    out of the rotary embedding in fp32 (its cos and sin are fp32) and the values in bf16, so the
+    plain cache holds fp32 keys: half as large again. Attention reads both as bf16 under autocast,
+    so storing them in bf16 changes nothing it computes."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.store_dtype = dtype
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        keys, values = key_states.to(self.store_dtype), value_states.to(self.store_dtype)
+        return super().update(keys, values, layer_idx, *args, **kwargs)
+
+
+def cache_dtype(model) -> torch.dtype:
+    """bf16 under CUDA autocast (what attention reads), else the model's own dtype."""
+    device = next(model.parameters()).device
+    if device.type == "cuda" and torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    return next(model.parameters()).dtype
+
+
+def attention_mask(model, mask: torch.Tensor) -> torch.Tensor | None:
+    """What to pass as attention_mask for a full forward pass over a batch whose 2D mask is `mask`
+    (1: a real token). No row starts with padding: None, since right padding cannot reach a real
+    token under causal attention and SDPA's causal kernel then needs no mask. Else, for SDPA, a
+    (B, 1, L, L) causal mask on real keys in which every position also sees itself, so that no
+    query row is fully masked: a left pad sees nothing in the plain mask, some CUDA SDPA kernels
+    return NaN for such a row, and 0 x NaN reaches real tokens through V in the next layer."""
+    if bool(mask[:, 0].all()):
+        return None
+    if getattr(model.config, "_attn_implementation", "sdpa") != "sdpa":
+        return mask  # other attention implementations take the 2D mask
+    length = mask.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=mask.device).tril()
+    seen = mask.bool()[:, None, None, :] | torch.eye(length, dtype=torch.bool, device=mask.device)
+    return causal & seen
+
+
 @torch.no_grad()
 def sample_tokens(
     model,
@@ -68,6 +149,7 @@ def sample_tokens(
     top_k: int,
     eos: list[int],
     pad: int,
+    cache: DynamicCache | None = None,
 ) -> torch.Tensor:
     """Autoregressive sampling with a KV cache: softmax(logits / temperature), cut to the top-k
     tokens and the top-p nucleus only where set. Nothing else shapes the distribution, so the
@@ -75,14 +157,15 @@ def sample_tokens(
     model's generation_config.json ships, such as a repetition penalty). Rows stop at EOS."""
     attention = prompt_mask.clone()
     positions = (attention.cumsum(1) - 1).clamp(min=0)  # left padding: count real tokens only
-    cache, input_ids, tokens = DynamicCache(), prompt_ids, []
+    cache = KVCache(cache_dtype(model)) if cache is None else cache  # a caller's: to inspect it
+    input_ids, tokens = prompt_ids, []
     finished = torch.zeros(len(prompt_ids), dtype=torch.bool, device=prompt_ids.device)
     eos = torch.tensor(eos, device=prompt_ids.device)
     cache_argument = {cache_keyword(model): cache}
-    for _ in range(max_new_tokens):
+    for step in range(max_new_tokens):
         logits = model(
             input_ids=input_ids,
-            attention_mask=attention,
+            attention_mask=attention_mask(model, attention) if step == 0 else attention,
             position_ids=positions,
             use_cache=True,
             logits_to_keep=1,

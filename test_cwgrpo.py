@@ -5,6 +5,7 @@ Run: python -m pytest -q test_cwgrpo.py   (CPU, no network)
 """
 
 import contextlib
+import copy
 import dataclasses
 import json
 import math
@@ -21,11 +22,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import ablate  # noqa: E402
 import cwgrpo  # noqa: E402
 import diagnose  # noqa: E402
+import loading  # noqa: E402
+import memory_plan  # noqa: E402
 import plots  # noqa: E402
 import runtime  # noqa: E402
 import sampling  # noqa: E402
@@ -223,7 +228,7 @@ def test_byte_level_tokenizer_round_trips_and_reloads(tiny_model, tmp_path):
     text = "Héllo 12+3=\\boxed{15}\n</think>\n"
     assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
     tokenizer.save_pretrained(tmp_path)
-    reloaded = cwgrpo.load_tokenizer(str(tmp_path))
+    reloaded = loading.load_tokenizer(str(tmp_path))
     assert type(reloaded).__name__ == "Qwen2Tokenizer"
     assert reloaded(text)["input_ids"] == tokenizer(text)["input_ids"]
 
@@ -232,7 +237,7 @@ def test_byte_level_tokenizer_round_trips_and_reloads(tiny_model, tmp_path):
 def test_rollout_logprobs_match_unpadded_forward(tiny_model):
     model, tokenizer = tiny_model
     cfg = cwgrpo.parse_config(["--preset", "tiny", "--max-completion-length", "12"])
-    batch = [(cwgrpo.chat_prompt_ids(tokenizer, q, ""), "\\boxed{1}") for q in ["1+2", "12+30"]]
+    batch = [(loading.chat_prompt_ids(tokenizer, q, ""), "\\boxed{1}") for q in ["1+2", "12+30"]]
     torch.manual_seed(0)
     rollout = cwgrpo.sample(model, tokenizer, batch, cfg)
     assert rollout.prompt_ids.shape[0] == 2 * cfg.group_size
@@ -261,7 +266,7 @@ def test_rollout_logprobs_match_unpadded_forward(tiny_model):
 def test_gradient_does_not_depend_on_micro_batching(tiny_model, method):
     """Per-group statistics and step-wide normalisers: a micro-batch of 2 groups == 2 of 1 group."""
     model, tokenizer = tiny_model
-    batch = [(cwgrpo.chat_prompt_ids(tokenizer, q, ""), "\\boxed{3}") for q in ["1+2", "2+1"]]
+    batch = [(loading.chat_prompt_ids(tokenizer, q, ""), "\\boxed{3}") for q in ["1+2", "2+1"]]
     grads = []
     for groups_per_micro_batch in (2, 1):
         cfg = cwgrpo.parse_config(
@@ -366,15 +371,15 @@ def test_missing_column_lists_the_columns(tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text(json.dumps({"question": "1+1", "answer": "2"}) + "\n")
     with pytest.raises(SystemExit, match=r"no column 'problem'.*columns found: question, answer"):
-        cwgrpo.load_dataset(str(data), "train", "problem", "solution")
-    assert cwgrpo.load_dataset(str(data), "train", "question", "answer")["answer"] == ["2"]
+        loading.load_dataset(str(data), "train", "problem", "solution")
+    assert loading.load_dataset(str(data), "train", "question", "answer")["answer"] == ["2"]
 
 
 def test_model_not_found_offline_fails_clearly(tmp_path):
     with pytest.raises(SystemExit, match="cannot load model 'no-such-org/no-such-model'"):
-        cwgrpo.load_model("no-such-org/no-such-model", torch.float32, torch.device("cpu"))
+        loading.load_model("no-such-org/no-such-model", torch.float32, torch.device("cpu"))
     with pytest.raises(SystemExit, match="cannot load dataset 'no-such-org/no-such-data'"):
-        cwgrpo.load_dataset("no-such-org/no-such-data", "train", "problem", "solution")
+        loading.load_dataset("no-such-org/no-such-data", "train", "problem", "solution")
 
 
 # ----------------------------------------------------------------- bad input: one line, before work
@@ -881,7 +886,7 @@ def test_grading_of_each_benchmarks_gold_form(completion, gold, gold_format, sco
 
 
 @pytest.mark.slow
-def test_evaluate_tiny_model_on_a_local_file_and_resume(tiny_run, tmp_path):
+def test_evaluate_tiny_model_on_a_local_file_and_resume(tiny_run, tmp_path, capsys):
     bench = tmp_path / "arith.jsonl"
     bench.write_text(
         "".join(json.dumps({"problem": f"{a}+{a}", "answer": str(2 * a)}) + "\n" for a in range(5))
@@ -906,6 +911,9 @@ def test_evaluate_tiny_model_on_a_local_file_and_resume(tiny_run, tmp_path):
         "cpu",
     ]
     evaluate.main(args)
+    printed = capsys.readouterr().out
+    assert f"written: {out / 'results.json'} and {out / 'results.md'}" in printed
+    assert "at temperature 0.6" in printed  # its own temperature, beside the pass@1 it shaped
     results = json.loads((out / "results.json").read_text())["benchmarks"]["arith"]
     assert results["problems"] == 5 and results["samples_per_problem"] == 3
     assert set(results["pass@k"]) == {"1", "2"}
@@ -1084,9 +1092,9 @@ def scored_rollout(tiny_run, tiny_base):
     cfg = cwgrpo.parse_config(
         ["--preset", "tiny", "--prompts-per-step", "4", "--groups-per-micro-batch", "2"]
     )
-    tokenizer = cwgrpo.load_tokenizer(str(tiny_run / "final-model"))
-    model = cwgrpo.load_model(str(tiny_run / "final-model"), torch.float32, torch.device("cpu"))
-    reference = cwgrpo.load_model(str(tiny_base / "model"), torch.float32, torch.device("cpu"))
+    tokenizer = loading.load_tokenizer(str(tiny_run / "final-model"))
+    model = loading.load_model(str(tiny_run / "final-model"), torch.float32, torch.device("cpu"))
+    reference = loading.load_model(str(tiny_base / "model"), torch.float32, torch.device("cpu"))
     torch.manual_seed(0)
     prompts = cwgrpo.PromptStream(tiny.arithmetic_dataset(0), tokenizer, cfg)
     rollout = cwgrpo.sample(model, tokenizer, prompts.next_batch(4), cfg)
@@ -1263,9 +1271,9 @@ def test_every_method_gives_a_finite_loss_and_gradient_with_a_group_of_no_valid_
 def test_sampling_ignores_the_generation_config_the_model_ships(tiny_base):
     """A model's generation_config.json (Qwen2.5 Instruct ships repetition_penalty, top_k, top_p)
     must not change what is sampled: the loss assumes plain temperature sampling."""
-    model = cwgrpo.load_model(str(tiny_base / "model"), torch.float32, torch.device("cpu"))
-    tokenizer = cwgrpo.load_tokenizer(str(tiny_base / "model"))
-    prompts = [cwgrpo.chat_prompt_ids(tokenizer, q, "") for q in ("1+2", "7+8")]
+    model = loading.load_model(str(tiny_base / "model"), torch.float32, torch.device("cpu"))
+    tokenizer = loading.load_tokenizer(str(tiny_base / "model"))
+    prompts = [loading.chat_prompt_ids(tokenizer, q, "") for q in ("1+2", "7+8")]
 
     def completions():
         torch.manual_seed(0)
@@ -1282,9 +1290,9 @@ def test_sampling_ignores_the_generation_config_the_model_ships(tiny_base):
 
 @pytest.mark.slow
 def test_total_length_limit_caps_prompt_plus_completion(tiny_base):
-    model = cwgrpo.load_model(str(tiny_base / "model"), torch.float32, torch.device("cpu"))
-    tokenizer = cwgrpo.load_tokenizer(str(tiny_base / "model"))
-    prompts = [cwgrpo.chat_prompt_ids(tokenizer, q, "") for q in ("1+2", "1+2" * 4)]
+    model = loading.load_model(str(tiny_base / "model"), torch.float32, torch.device("cpu"))
+    tokenizer = loading.load_tokenizer(str(tiny_base / "model"))
+    prompts = [loading.chat_prompt_ids(tokenizer, q, "") for q in ("1+2", "1+2" * 4)]
     torch.manual_seed(0)
     _, prompt_mask, _, mask, truncated, texts = sampling.generate_completions(
         model, tokenizer, prompts, 3, 1.0, 1.0, 0, 40, len(prompts[1]) + 6
@@ -1536,11 +1544,11 @@ def test_token_page_escapes_model_output(tmp_path):
 @pytest.mark.slow
 def test_token_view_weights_are_the_methods_weights(tiny_base):
     cfg = cwgrpo.parse_config(["--preset", "tiny", "--max-completion-length", "12"])
-    model = cwgrpo.load_model(str(tiny_base / "model"), torch.float32, torch.device("cpu"))
-    tokenizer = cwgrpo.load_tokenizer(str(tiny_base / "model"))
+    model = loading.load_model(str(tiny_base / "model"), torch.float32, torch.device("cpu"))
+    tokenizer = loading.load_tokenizer(str(tiny_base / "model"))
     torch.manual_seed(0)
     rollout = cwgrpo.sample(
-        model, tokenizer, [(cwgrpo.chat_prompt_ids(tokenizer, "3+4", ""), "\\boxed{7}")], cfg
+        model, tokenizer, [(loading.chat_prompt_ids(tokenizer, "3+4", ""), "\\boxed{7}")], cfg
     )
     rollout.advantages = torch.randn(cfg.group_size, generator=torch.Generator().manual_seed(1))
     rng = torch.get_rng_state()
@@ -1592,9 +1600,9 @@ def test_import_cwgrpo_loads_no_plotting_library():
 def test_sampling_loop_with_a_kv_cache_matches_greedy_generate(tiny_base, top_p, top_k):
     """With the nucleus or the top-k cut to one token, sampling is greedy decoding: the loop must
     then give exactly what transformers' generate gives, left padding included."""
-    model = cwgrpo.load_model(str(tiny_base / "model"), torch.float32, torch.device("cpu")).eval()
-    tokenizer = cwgrpo.load_tokenizer(str(tiny_base / "model"))
-    prompts = [cwgrpo.chat_prompt_ids(tokenizer, q, "") for q in ("1+2", "12+30", "5+5")]
+    model = loading.load_model(str(tiny_base / "model"), torch.float32, torch.device("cpu")).eval()
+    tokenizer = loading.load_tokenizer(str(tiny_base / "model"))
+    prompts = [loading.chat_prompt_ids(tokenizer, q, "") for q in ("1+2", "12+30", "5+5")]
     prompt_ids, prompt_mask, ids, mask, _, _ = sampling.generate_completions(
         model, tokenizer, prompts, 2, 0.7, top_p, top_k, 16, None
     )
@@ -1617,9 +1625,9 @@ def test_sampling_loop_with_a_kv_cache_matches_greedy_generate(tiny_base, top_p,
 @pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 1.0, 3), (1.3, 0.9, 0)])
 def test_sampled_tokens_follow_the_configured_distribution(tiny_base, temperature, top_p, top_k):
     """8,000 draws of one next token against softmax(logits / T), cut to top-k or top-p."""
-    model = cwgrpo.load_model(str(tiny_base / "model"), torch.float32, torch.device("cpu")).eval()
-    tokenizer = cwgrpo.load_tokenizer(str(tiny_base / "model"))
-    prompt = torch.tensor([cwgrpo.chat_prompt_ids(tokenizer, "4+", "")])
+    model = loading.load_model(str(tiny_base / "model"), torch.float32, torch.device("cpu")).eval()
+    tokenizer = loading.load_tokenizer(str(tiny_base / "model"))
+    prompt = torch.tensor([loading.chat_prompt_ids(tokenizer, "4+", "")])
     with torch.no_grad():
         probs = (model(input_ids=prompt).logits[0, -1] / temperature).softmax(-1)
     kept = torch.zeros_like(probs, dtype=torch.bool)
@@ -1684,7 +1692,7 @@ def test_the_paper_recipe_code_path_runs_and_resumes_on_cpu(tmp_path, tiny_base)
     the MLP width (8,960 -> 1,536), the vocabulary (151,936 -> the byte-level tokenizer's),
     prompt lengths (byte tokens are about four times Qwen's: --max-prompt-length 1024), and 16
     new tokens (--length-limit new)."""
-    tokenizer = cwgrpo.load_tokenizer(str(tiny_base / "model"))
+    tokenizer = loading.load_tokenizer(str(tiny_base / "model"))
     config = tiny.Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=1536,
@@ -1770,7 +1778,8 @@ KILL_POINTS = {  # CWGRPO_FAULT -> where the run dies
     "runtime:append_record:3:torn": "writing step 3's record to metrics.jsonl (half a line)",
     "transformers:PreTrainedModel.save_pretrained:2:after": "checkpoint-4: weights written",
     "transformers:PreTrainedTokenizerBase.save_pretrained:2:after": "checkpoint-4: tokenizer",
-    "torch:save:2:after": "checkpoint-4: trainer state written, not yet renamed",
+    "torch:save:3:after": "checkpoint-4: optimizer.pt written, trainer_state.pt not",
+    "torch:save:4:after": "checkpoint-4: trainer state written, not yet renamed",
     "plots:plot_run:1": "just after checkpoint-2 is complete, before its pictures",
     "plots:token_page:2": "drawing checkpoint-4's token page",
     "runtime:save_checkpoint:4": "after every step, before final-model is written",
@@ -1865,7 +1874,7 @@ def test_a_failed_save_keeps_the_previous_checkpoint_stops_in_one_line_and_resum
 ):
     out = tmp_path / "run"
     args = [*tiny_args, *FAULT_STEPS, "--output-dir", str(out)]
-    full = fault_run(args, "torch:save:2:enospc")  # checkpoint-4's trainer state: disk full
+    full = fault_run(args, "torch:save:3:enospc")  # checkpoint-4's optimizer.pt: disk full
     assert full.returncode == 1
     assert full.stderr.strip().splitlines()[-1] == (
         f"error: could not write {out / 'checkpoint-4'} (No space left on device); "
@@ -1943,8 +1952,8 @@ def single_valid_token(sample):
 
 
 def prompt_length(tiny_base) -> int:
-    tokenizer = cwgrpo.load_tokenizer(str(tiny_base / "model"))
-    return len(cwgrpo.chat_prompt_ids(tokenizer, "1+2", ""))  # every tiny question is a+b
+    tokenizer = loading.load_tokenizer(str(tiny_base / "model"))
+    return len(loading.chat_prompt_ids(tokenizer, "1+2", ""))  # every tiny question is a+b
 
 
 DEGENERATE = ["all-masked", "equal-rewards", "eos-at-once", "one-valid-token", "prompt-at-limit"]
@@ -2299,3 +2308,347 @@ def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path):
     path.write_text('{"rollout_step": 1}\n{"rollout_step": 2}\n{"rollout_st')
     runtime.keep_records_until(path, 5)
     assert path.read_text() == '{"rollout_step": 1}\n{"rollout_step": 2}\n'
+
+
+# ------------------------------------------------------------------- the memory and disk plan
+PLAN_SHAPE = dict(
+    vocab_size=300,
+    hidden_size=96,
+    intermediate_size=320,
+    num_hidden_layers=3,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)  # a shape the plan's count was not fit on
+
+
+@pytest.fixture(scope="module")
+def plan_model(tmp_path_factory):
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**PLAN_SHAPE))
+    folder = tmp_path_factory.mktemp("plan-model")
+    model.save_pretrained(folder)
+    return model, folder
+
+
+def plan_options(**overrides):
+    args = [
+        "--group-size",
+        "4",
+        "--prompts-per-step",
+        "2",
+        "--groups-per-micro-batch",
+        "1",
+        "--max-prompt-length",
+        "24",
+        "--max-completion-length",
+        "40",
+        "--length-limit",
+        "new",
+        "--beta",
+        "0.04",
+        "--steps",
+        "6",
+        "--save-every",
+        "2",
+    ]
+    for name, value in overrides.items():
+        args += [f"--{name}", str(value)]
+    return dataclasses.asdict(cwgrpo.parse_config(args))
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize(
+    "name,count",
+    [
+        ("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", 1_777_088_000),
+        ("Qwen/Qwen2.5-Math-7B-Instruct", 7_615_616_512),
+        ("Qwen/Qwen2.5-0.5B-Instruct", 494_032_768),
+    ],
+)
+def test_parameter_counts_from_config_equal_the_published_ones(name, count):
+    arch = memory_plan.Architecture.from_config(memory_plan.read_config(name))  # shipped: offline
+    assert arch.parameters() == count
+
+
+def test_parameter_count_equals_the_built_model(plan_model):
+    model, folder = plan_model
+    arch = memory_plan.Architecture.from_config(memory_plan.read_config(str(folder)))
+    assert arch.parameters() == sum(p.numel() for p in model.parameters())
+
+
+def test_weights_gradients_and_adamw_state_equal_the_plan_after_a_real_step(plan_model):
+    model, folder = plan_model
+    items = memory_plan.plan(str(folder), plan_options(), cuda=False)["items"]
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), 1e-3)
+    model(
+        input_ids=torch.randint(0, 300, (2, 8)), labels=torch.randint(0, 300, (2, 8))
+    ).loss.backward()
+    assert tensor_bytes(model.parameters()) == items["weights (fp32)"]
+    assert tensor_bytes(p.grad for p in model.parameters()) == items["gradients (fp32)"]
+    optimizer.step()
+    moments = [s[k] for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    assert tensor_bytes(moments) == items["AdamW moments (fp32)"]
+    assert items["reference"] == items["weights (fp32)"]  # fp32 on the CPU, with beta > 0
+
+
+def test_the_kv_cache_after_sampling_is_the_plans(plan_model):
+    model, folder = plan_model
+    options = plan_options()
+    planned = memory_plan.plan(str(folder), options, cuda=False)["items"]["KV cache"]
+    rows, prompt, new = 8, options["max_prompt_length"], options["max_completion_length"]
+    cache = sampling.KVCache(torch.float32)
+    ids = torch.randint(0, 300, (rows, prompt))
+    sampling.sample_tokens(model, ids, torch.ones_like(ids), new, 1.0, 1.0, 0, [], 0, cache)
+    measured = tensor_bytes(t for layer in cache.layers for t in (layer.keys, layer.values))
+    assert measured == pytest.approx(planned, rel=0.03)  # the last token is never fed back
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_activations_saved_for_backward_are_the_plans(plan_model, checkpointing):
+    model, folder = plan_model
+    model = copy.deepcopy(model).train()
+    if checkpointing:
+        loading.enable_checkpointing(model)
+    options = plan_options(gradient_checkpointing=checkpointing)
+    cfg = cwgrpo.parse_config(["--max-prompt-length", "24", "--max-completion-length", "40"])
+    planned = memory_plan.plan(str(folder), options, cuda=False)["items"]
+    rows, prompt, new = 4, options["max_prompt_length"], options["max_completion_length"]
+    rollout = cwgrpo.Rollout(
+        torch.randint(0, 300, (rows, prompt)),
+        torch.ones(rows, prompt).long(),
+        torch.randint(0, 300, (rows, new)),
+        torch.ones(rows, new),
+        torch.zeros(rows, dtype=torch.bool),
+        [""] * rows,
+        [""] * rows,
+    )
+    storages, parameters = {}, {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def saved(tensor):
+        if tensor.numel():
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(saved, lambda tensor: tensor):
+        cwgrpo.completion_logprobs(model, rollout, cfg)
+    measured = sum(size for pointer, size in storages.items() if pointer not in parameters)
+    assert measured == pytest.approx(planned["activations saved for backward"], rel=0.03)
+    if checkpointing:  # the layer recomputed in backward holds what one layer saves without it
+        per_layer = memory_plan.layer_activation_bytes(
+            memory_plan.Architecture.from_config(PLAN_SHAPE), cuda=False
+        )
+        assert planned["one layer recomputed in backward"] == rows * (prompt + new) * per_layer
+
+
+def test_a_checkpoint_on_disk_is_the_plans_and_only_the_newest_keeps_the_optimizer(
+    tiny_args, tmp_path
+):
+    out = tmp_path / "run"
+    cwgrpo.main(
+        [
+            *tiny_args,
+            "--steps",
+            "4",
+            "--save-every",
+            "1",
+            "--save-total-limit",
+            "2",
+            "--output-dir",
+            str(out),
+        ]
+    )
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
+    assert not (out / "checkpoint-3" / "optimizer.pt").exists()
+    newest = out / "checkpoint-4"
+    files = newest / "model.safetensors", newest / "optimizer.pt"
+    plan = memory_plan.plan(
+        str(newest),
+        plan_options_of(tiny_args, steps=4, save_every=1, save_total_limit=2),
+        cuda=False,
+    )
+    assert sum(f.stat().st_size for f in files) == pytest.approx(
+        plan["disk"]["checkpoint"], rel=0.02
+    )
+    assert runtime.latest_checkpoint(out) == newest  # and a resume from it works:
+    cwgrpo.main(
+        [
+            *tiny_args,
+            "--steps",
+            "5",
+            "--save-every",
+            "1",
+            "--save-total-limit",
+            "2",
+            "--output-dir",
+            str(out),
+            "--resume",
+        ]
+    )
+    assert len(read_metrics(out / "metrics.jsonl")) == 5
+
+
+def plan_options_of(argv, **overrides):
+    return dataclasses.asdict(cwgrpo.parse_config(argv)) | overrides
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["paper-1.5b", "paper-7b", "qwen0.5b-24gb", "tiny"])
+def test_plan_prints_every_presets_numbers_offline(preset, tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(HERE / "cwgrpo.py"), "--preset", preset, "--plan"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.strip().splitlines() if not line.startswith("building")]
+    count = {
+        "paper-1.5b": "1,777,088,000",
+        "paper-7b": "7,615,616,512",
+        "qwen0.5b-24gb": "494,032,768",
+    }.get(preset, "115,456")
+    assert f"{count} parameters" in lines[0]
+    assert (
+        lines[-1]
+        == {
+            "paper-1.5b": "fits: 80, 141 GB; does not fit: 24, 40, 48 GB",
+            "paper-7b": "fits: none of them; does not fit: 24, 40, 48, 80, 141 GB",
+            "qwen0.5b-24gb": "fits: 24, 40, 48, 80, 141 GB; does not fit: none of them",
+            "tiny": "fits: 24, 40, 48, 80, 141 GB; does not fit: none of them",
+        }[preset]
+    )
+    assert any(line.startswith("disk: ") for line in lines)
+
+
+def test_paper_presets_plan_with_margin():
+    def peak(preset):
+        cfg = cwgrpo.parse_config(["--preset", preset])
+        return memory_plan.plan(cfg.model, dataclasses.asdict(cfg))["peak"]
+
+    assert peak("paper-1.5b") < 0.75 * 80e9
+    assert peak("qwen0.5b-24gb") < 0.85 * 24e9
+
+
+def test_a_run_that_cannot_fit_stops_in_one_line_naming_the_largest_items():
+    cfg = cwgrpo.parse_config(["--preset", "paper-1.5b"])
+    with pytest.raises(SystemExit) as error:
+        memory_plan.check_fit(cfg.model, dataclasses.asdict(cfg), free_bytes=40 * 10**9)
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith("error: this run needs about 58.1 GB and the GPU has 40.0 GB free ")
+    assert "(largest: KV cache 16.9 GB, AdamW moments (fp32) 14.2 GB, activations" in message
+    memory_plan.check_fit(cfg.model, dataclasses.asdict(cfg), free_bytes=80 * 10**9)  # fits: silent
+
+
+@pytest.mark.slow
+def test_a_chunked_rollout_equals_the_unchunked_one_greedy(tiny_base):
+    model, tokenizer = (
+        loading.load_model(str(tiny_base / "model"), torch.float32, "cpu"),
+        loading.load_tokenizer(str(tiny_base / "model")),
+    )
+    prompts = [
+        loading.chat_prompt_ids(tokenizer, q, "") for q in ["1+2", "3+3", "0+1", "12+3", "2"]
+    ]
+    torch.manual_seed(0)
+    whole = sampling.generate_completions(model, tokenizer, prompts, 2, 1.0, 1.0, 1, 12, None)
+    chunked = sampling.generate_completions(model, tokenizer, prompts, 2, 1.0, 1.0, 1, 12, None, 2)
+    for a, b in zip(whole[:5], chunked[:5]):
+        assert torch.equal(a, b)
+    assert whole[5] == chunked[5]
+
+
+def test_the_kv_cache_holds_bf16_keys_under_autocast_where_the_plain_one_holds_fp32():
+    model = Qwen2ForCausalLM(Qwen2Config(**PLAN_SHAPE))
+    assert sampling.cache_dtype(model) == torch.float32  # no CUDA autocast: the model's own
+    ids = torch.randint(0, 300, (2, 5))
+    dtypes = {}
+    caches = {"plain": transformers.DynamicCache(), "ours": sampling.KVCache(torch.bfloat16)}
+    for name, cache in caches.items():
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # as CUDA's bf16 autocast does it
+            sampling.sample_tokens(model, ids, torch.ones_like(ids), 3, 1.0, 1.0, 0, [], 0, cache)
+        dtypes[name] = {(layer.keys.dtype, layer.values.dtype) for layer in cache.layers}
+    assert dtypes["plain"] == {(torch.float32, torch.bfloat16)}  # the rotary's fp32 cos and sin
+    assert dtypes["ours"] == {(torch.bfloat16, torch.bfloat16)}
+
+
+def test_no_query_row_is_fully_masked_and_real_rows_are_unchanged():
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**PLAN_SHAPE)).eval()
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]])
+    ids = torch.randint(0, 300, mask.shape)
+    full = sampling.attention_mask(model, mask)
+    assert full.shape == (3, 1, 5, 5) and bool(full.any(-1).all())  # every query sees something
+    plain = torch.ones(5, 5, dtype=torch.bool).tril() & mask.bool()[:, None, None, :]
+    real = mask.bool()
+    assert torch.equal(
+        full[real[:, None, :, None].expand_as(full)], plain[real[:, None, :, None].expand_as(plain)]
+    )
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        ours = model(input_ids=ids, attention_mask=full, position_ids=positions).logits
+        theirs = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    assert torch.isfinite(ours).all()
+    torch.testing.assert_close(ours[real], theirs[real], rtol=1e-5, atol=1e-5)
+    # no left padding: no mask at all, and the same log-probs as with the padding mask
+    assert sampling.attention_mask(model, torch.tensor([[1, 1, 0], [1, 1, 1]])) is None
+
+
+def test_log_probs_without_a_mask_equal_those_with_one_where_no_row_is_left_padded(plan_model):
+    model, _ = plan_model
+    cfg = cwgrpo.parse_config([])
+    rollout = cwgrpo.Rollout(
+        torch.randint(0, 300, (3, 6)),
+        torch.ones(3, 6).long(),
+        torch.randint(0, 300, (3, 7)),
+        torch.tensor([[1.0] * 7, [1.0] * 4 + [0.0] * 3, [1.0] * 2 + [0.0] * 5]),
+        torch.zeros(3, dtype=torch.bool),
+        [""] * 3,
+        [""] * 3,
+    )
+    with torch.no_grad():
+        logp, entropy, _ = cwgrpo.completion_logprobs(model.eval(), rollout, cfg)
+        ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
+        mask = torch.cat([rollout.prompt_mask, rollout.completion_mask.long()], 1)
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, 5:-1] / cfg.temperature
+    reference = logits.log_softmax(-1).gather(-1, rollout.completion_ids[..., None])[..., 0]
+    valid = rollout.completion_mask.bool()
+    torch.testing.assert_close(logp[valid], reference[valid], rtol=1e-5, atol=1e-5)
+
+
+def test_rng_states_hold_only_the_runs_own_gpu(monkeypatch):
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: torch.tensor([7]))
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: pytest.fail("every GPU's state"))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state: restored.append(state))
+    states = runtime.rng_states()
+    assert torch.equal(states["cuda"], torch.tensor([7]))
+    runtime.set_rng_states(states)
+    runtime.set_rng_states(states | {"cuda": [torch.tensor([5]), torch.tensor([6])]})  # older
+    assert [int(s) for s in restored] == [7, 5]
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_at_tiny_shapes():
+    done = subprocess.run(
+        [sys.executable, str(HERE / "benchmarks" / "gpu_check.py"), "--tiny"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("device: cpu; 137,280 parameters; 12 prompts x G = 12")
+    assert lines[1].startswith("step 1: decode ") and lines[2].startswith("step 2: decode ")
+    assert "KV cache dtype: torch.float32" in lines
+    assert (
+        "every logit finite after a left-padded prefill: cwgrpo's mask True, plain mask True"
+        in lines
+    )

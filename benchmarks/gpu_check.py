@@ -1,0 +1,174 @@
+"""The first thing to run on a GPU: cwgrpo's rollout and update at the paper's shapes, with no
+download, in a few minutes, printing what the CPU tests cannot show.
+
+    python benchmarks/gpu_check.py           # R1-Distill-Qwen-1.5B's architecture, 2 steps
+    python benchmarks/gpu_check.py --tiny    # the same path at tiny shapes (the test suite runs it)
+
+A randomly initialised model of R1-Distill-Qwen-1.5B's exact architecture (its config.json from
+model_configs/: the full vocabulary, 28 layers), the paper's batch (12 prompts x G = 12) with
+prompts of up to 128 random tokens and --new-tokens new ones (512), beta 0.04 with a bf16 reference,
+two steps through cwgrpo's own sample() and update(). Random weights never emit EOS, so every row
+runs to the limit: the KV cache at its largest. It prints decode and update tokens/s, the peak
+memory (torch.cuda.max_memory_allocated) beside the plan's (memory_plan.py), the KV cache's dtype,
+the KL at step 0, and whether every logit after a left-padded prefill is finite, with cwgrpo's
+attention mask and with the plain one.
+"""
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+import cwgrpo  # noqa: E402
+import loading  # noqa: E402
+import memory_plan  # noqa: E402
+import runtime  # noqa: E402
+import sampling  # noqa: E402
+import tiny  # noqa: E402
+
+PAPER_CONFIG = HERE.parent / "model_configs" / "deepseek-ai--DeepSeek-R1-Distill-Qwen-1.5B.json"
+TINY_CONFIG = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=192,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=False,
+)
+
+
+def random_model(config: dict, device: torch.device) -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(Qwen2Config(**config))
+    model.generation_config.eos_token_id = None  # the tokenizer's EOS, never drawn in practice
+    return model
+
+
+def prompts(n: int, longest: int, vocab: int, seed: int) -> list[tuple[list[int], str]]:
+    """n prompts of random byte-level tokens, of different lengths (so the batch is left-padded)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(longest // 2, longest + 1, (n,), generator=g).tolist()
+    return [(torch.randint(0, vocab, (k,), generator=g).tolist(), "\\boxed{0}") for k in lengths]
+
+
+def finite_after_left_padded_prefill(model, tokenizer, autocast) -> dict:
+    """Every logit of a left-padded prefill finite, with cwgrpo's mask and with the plain one."""
+    device = next(model.parameters()).device
+    batch = prompts(4, 64, 256, seed=1)
+    width = max(len(p) for p, _ in batch)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=device)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    out = {}
+    with torch.no_grad(), autocast():
+        for name, attention in (("cwgrpo", sampling.attention_mask(model, mask)), ("plain", mask)):
+            logits = model(input_ids=ids, attention_mask=attention, position_ids=positions).logits
+            out[name] = bool(torch.isfinite(logits).all())
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU or GPU)")
+    parser.add_argument("--new-tokens", type=int, default=0, help="default 512 (tiny: 16)")
+    parser.add_argument("--steps", type=int, default=2)
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    config = TINY_CONFIG if args.tiny else json.loads(PAPER_CONFIG.read_text())
+    new_tokens = args.new_tokens or (16 if args.tiny else 512)
+    longest = 16 if args.tiny else 128
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "config.json").write_text(json.dumps(config))
+        cfg = cwgrpo.parse_config(
+            [
+                "--model",
+                folder,
+                "--max-completion-length",
+                str(new_tokens),
+                "--length-limit",
+                "new",
+                "--max-prompt-length",
+                str(longest),
+                "--device",
+                device.type,
+            ]
+        )
+        planned = memory_plan.plan(folder, dataclasses.asdict(cfg), cuda=device.type == "cuda")
+        report = memory_plan.report(folder, dataclasses.asdict(cfg)).split("\n", 1)[1]
+    print(
+        f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; "
+        f"{planned['parameters']:,} parameters; {cfg.prompts_per_step} prompts x G = "
+        f"{cfg.group_size}, prompts up to {longest} tokens, {new_tokens} new tokens"
+    )
+    tokenizer = tiny.byte_level_qwen2_tokenizer()
+    model = random_model(config, device)
+    reference = random_model(config, device)
+    reference.load_state_dict(model.state_dict())
+    if device.type == "cuda":
+        reference.to(torch.bfloat16)  # as loading.load_reference holds it
+    reference.eval().requires_grad_(False)
+    if cfg.gradient_checkpointing:
+        loading.enable_checkpointing(model)
+    autocast = runtime.bf16_autocast(device)
+    fused = device.type == "cuda"
+    optimizer = torch.optim.AdamW(model.parameters(), cfg.learning_rate, fused=fused)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for step in range(args.steps):
+        start = time.perf_counter()
+        with autocast():
+            rollout = cwgrpo.sample(
+                model, tokenizer, prompts(cfg.prompts_per_step, longest, 256, step), cfg
+            )
+            generated = int(rollout.completion_mask.sum())
+            decode_s = time.perf_counter() - start
+            rollout.ref_logp = cwgrpo.policy_token_stats(reference, rollout, cfg)["logp"]
+        rewards = torch.rand(len(rollout.texts), generator=torch.Generator().manual_seed(step))
+        rollout.advantages = cwgrpo.group_advantages(rewards, cfg.group_size).to(device)
+        start = time.perf_counter()
+        metrics = cwgrpo.update(model, optimizer, scheduler, rollout, cfg, autocast)
+        update_s = time.perf_counter() - start
+        tokens = int(rollout.prompt_mask.sum()) + generated
+        print(
+            f"step {step + 1}: decode {generated / decode_s:,.0f} tokens/s ({generated:,} tokens, "
+            f"{decode_s:.1f} s); update {tokens / update_s:,.0f} tokens/s ({tokens:,} tokens, "
+            f"{update_s:.1f} s); kl {metrics['kl_mean']:.3g}; grad norm "
+            f"{metrics['grad_norm']:.3g}"
+        )
+    with autocast():
+        print(f"KV cache dtype: {sampling.cache_dtype(model)}")
+    finite = finite_after_left_padded_prefill(model, tokenizer, autocast)
+    print(
+        f"every logit finite after a left-padded prefill: cwgrpo's mask {finite['cwgrpo']}, "
+        f"plain mask {finite['plain']}"
+    )
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated()
+        print(
+            f"peak memory: {peak / 1e9:.2f} GB measured, {planned['peak'] / 1e9:.2f} GB planned "
+            f"(measured / planned {peak / planned['peak']:.2f})"
+        )
+        print(report)
+    else:
+        print(f"peak memory: not measured on the CPU; planned {planned['peak'] / 1e9:.3f} GB")
+    if importlib.util.find_spec("vllm") is None:
+        print("vllm: not installed")
+    else:
+        print("vllm: installed; cwgrpo has no --rollout vllm yet, so nothing to check")
+
+
+if __name__ == "__main__":
+    main()

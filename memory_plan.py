@@ -1,0 +1,231 @@
+"""memory_plan.py: the GPU memory and disk a run will need, from the model's config.json and the
+run's options alone, before anything loads. cwgrpo.py prints it (--plan) and checks it against the
+GPU before a CUDA run; it knows nothing of cwgrpo (it reads the options by their names).
+
+Every item is counted, not guessed (the tests compare each with real allocations on the CPU):
+- weights, gradients and AdamW's two moments: fp32, 4 + 4 + 8 bytes a parameter;
+- the KL reference: bf16 on CUDA (fp32 on the CPU), none when beta is 0;
+- autocast's bf16 copies of the weights a matrix multiply reads, held for the step (CUDA);
+- the KV cache: rows sampled at once x (prompt + completion) positions x layers x 2 x KV width;
+- activations saved for backward, per token and layer 8 H + 4 I + 2 KV + heads + 2 values (the
+  layer's norms, projections, rotary embedding, attention with its log-sum-exp, and MLP), or with
+  gradient checkpointing only each layer's input, plus one layer's worth recomputed in backward;
+- the LM head's chunks of logits (lm_head.py) and, without a fused AdamW, its foreach temporaries.
+"""
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from huggingface_hub import hf_hub_download
+
+HERE = Path(__file__).resolve().parent
+GPU_SIZES_GB = (24, 40, 48, 80, 141)  # common cards; 141: the H200
+USABLE = 0.92  # of a card's memory, after the CUDA context and the allocator's fragmentation
+GB = 1e9
+
+
+@dataclass
+class Architecture:
+    """The numbers of a decoder-only (Qwen2-style) transformer that the plan reads."""
+
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+
+    @classmethod
+    def from_config(cls, config: dict) -> "Architecture":
+        heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        return cls(
+            config["vocab_size"],
+            config["hidden_size"],
+            config["intermediate_size"],
+            config["num_hidden_layers"],
+            heads,
+            config.get("num_key_value_heads", heads),
+            head_dim,
+            bool(config.get("tie_word_embeddings", False)),
+        )
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def parameters(self) -> int:
+        """Exact: embeddings, per layer q/k/v (with biases) and o, the gated MLP and two norms, the
+        final norm, and the LM head unless tied to the embeddings."""
+        h, q = self.hidden, self.heads * self.head_dim
+        attention = (h * q + q) + 2 * (h * self.kv_width + self.kv_width) + q * h
+        layer = attention + 3 * h * self.intermediate + 2 * h
+        return self.vocab * h * (1 if self.tied else 2) + self.layers * layer + h
+
+
+def read_config(model: str) -> dict:
+    """config.json of a local folder, of a preset's model (shipped in model_configs/, so the plan
+    works offline), or from the hub (or its cache)."""
+    local = Path(model) / "config.json"
+    shipped = HERE / "model_configs" / f"{model.replace('/', '--')}.json"
+    for path in (local, shipped):
+        if path.is_file():
+            return json.loads(path.read_text())
+    try:
+        return json.loads(Path(hf_hub_download(model, "config.json")).read_text())
+    except Exception as error:  # noqa: BLE001 - any failure to find it is the same one line
+        raise SystemExit(
+            f"error: no config.json for {model} (local, shipped or hub): "
+            f"{type(error).__name__}; pass a local model folder"
+        ) from None
+
+
+def rows_and_positions(options: dict) -> tuple[int, int, int, int]:
+    """Rows in the batch, rows sampled at once, rows in a micro-batch, positions per row."""
+    group, prompts = options["group_size"], options["prompts_per_step"]
+    chunk = options.get("rollout_chunk") or prompts
+    positions = options["max_completion_length"] + (
+        options["max_prompt_length"] if options["length_limit"] == "new" else 0
+    )
+    return (
+        prompts * group,
+        min(chunk, prompts) * group,
+        options["groups_per_micro_batch"] * group,
+        positions,
+    )
+
+
+def plan(model: str, options: dict, cuda: bool = True) -> dict:
+    """Bytes of each item, the peak of each phase, and the disk, for `model` trained with `options`
+    (cwgrpo's Config as a dict). cuda: bf16 autocast and a bf16 reference, else all fp32."""
+    arch = Architecture.from_config(read_config(model))
+    n = arch.parameters()
+    rows, sampled_rows, micro_rows, positions = rows_and_positions(options)
+    half = 2 if cuda else 4  # bf16 on CUDA (autocast, reference, KV cache), fp32 on the CPU
+    matmul_weights = n - (0 if arch.tied else arch.vocab * arch.hidden)  # embeddings are looked up
+    tokens = micro_rows * positions
+    layer = tokens * layer_activation_bytes(arch, cuda)
+    # the fp32 residual stream at a layer boundary, and the LM head's input: each completion
+    # token's final hidden state (lm_head.py recomputes the logits in backward)
+    stream, head = (
+        tokens * arch.hidden * 4,
+        micro_rows * options["max_completion_length"] * arch.hidden * 4,
+    )
+    if options["gradient_checkpointing"]:  # each layer's input, the final norm's; one recomputed
+        saved, recompute = stream * (arch.layers + 2) + tokens * 12 + head, layer
+    else:  # every layer's activations, the final norm's and the rotary tables
+        rotary = tokens * 4 * (arch.head_dim // 2 + 3)
+        saved, recompute = layer * arch.layers + 2 * stream + rotary + head, 0
+    items = {
+        "weights (fp32)": 4 * n,
+        "gradients (fp32)": 4 * n,
+        "AdamW moments (fp32)": 8 * n,
+        "reference": half * n if options["beta"] > 0 else 0,
+        "autocast weight copies (bf16)": 2 * matmul_weights if cuda else 0,
+        "KV cache": sampled_rows * positions * arch.layers * 2 * arch.kv_width * half,
+        "activations saved for backward": saved,
+        "one layer recomputed in backward": recompute,
+        "LM head chunks": 3 * 4 * min(options["logit_chunk_elements"], tokens * arch.vocab),
+    }
+    resident = items["weights (fp32)"] + items["AdamW moments (fp32)"] + items["reference"]
+    phases = {
+        "rollout": resident
+        + items["autocast weight copies (bf16)"]
+        + items["KV cache"]
+        + sampled_rows * arch.vocab * 4 * 3,  # the last position's logits, probabilities, CDF
+        "update": resident
+        + items["gradients (fp32)"]
+        + items["autocast weight copies (bf16)"]
+        + saved
+        + 2 * recompute
+        + items["LM head chunks"],  # a layer's backward: as much again
+        "optimizer step": resident + items["gradients (fp32)"],  # fused AdamW: no temporaries
+    }
+    return {
+        "parameters": n,
+        "items": items,
+        "phases": phases,
+        "peak": max(phases.values()),
+        "disk": disk(n, options),
+        "rows": rows,
+        "positions": positions,
+    }
+
+
+def layer_activation_bytes(arch: Architecture, cuda: bool) -> int:
+    """Bytes one decoder layer saves for backward per token. On the CPU (fp32): 8 H + 4 I + 2 KV +
+    heads + 2 values, the unique storages that saved_tensors_hooks sees (found at four shapes and
+    tested at another): the two RMSNorms' fp32 tensors (6 H + 2), the attention's inputs and output,
+    the gated MLP's four I-wide tensors and one log-sum-exp per head. On CUDA, under bf16 autocast,
+    the norms stay fp32, the rest is bf16, and each projection saves its own bf16 cast of its input
+    (q, k, v: 3 H; gate, up: 2 H). That split is derived, not yet checked on a GPU
+    (benchmarks/gpu_check.py prints the measured peak beside the plan's)."""
+    h, i, kv = arch.hidden, arch.intermediate, arch.kv_width
+    if not cuda:
+        return 4 * (8 * h + 4 * i + 2 * kv + arch.heads + 2)
+    return 4 * (6 * h + 2) + 2 * (2 * h + 4 * i + 2 * kv) + 4 * arch.heads + 2 * 5 * h
+
+
+def disk(n: int, options: dict) -> dict:
+    """A checkpoint holds the fp32 weights and AdamW's moments; only the newest keeps the moments
+    (resume needs no older ones), and --save-total-limit keeps the newest few."""
+    saves = math.ceil(options["steps"] / options["save_every"])
+    kept = min(saves, options.get("save_total_limit") or saves)
+    weights, moments = 4 * n, 8 * n
+    return {
+        "checkpoint": weights + moments,
+        "run": kept * weights + moments + weights,
+        "kept": kept,
+    }
+
+
+def fits(peak: float) -> tuple[list[int], list[int]]:
+    """The common card sizes (GB) whose usable memory holds `peak` bytes, and those it does not."""
+    holds = [size for size in GPU_SIZES_GB if peak <= USABLE * size * GB]
+    return holds, [size for size in GPU_SIZES_GB if size not in holds]
+
+
+def report(model: str, options: dict) -> str:
+    """--plan's text: parameters, items, phases, disk, and which cards the run fits."""
+    p = plan(model, options)
+    lines = [
+        f"{model}: {p['parameters']:,} parameters; {p['rows']} rows of up to "
+        f"{p['positions']:,} positions a step",
+        "memory (CUDA, bf16 autocast):",
+    ]
+    lines += [f"  {name:32s} {size / GB:8.2f} GB" for name, size in p["items"].items() if size]
+    lines += [f"  peak in {name:24s} {size / GB:8.2f} GB" for name, size in p["phases"].items()]
+    d = p["disk"]
+    lines.append(
+        f"disk: {d['checkpoint'] / GB:.1f} GB a checkpoint (the newest, with AdamW's "
+        f"moments; older ones keep only weights), {d['run'] / GB:.1f} GB a run "
+        f"({d['kept']} checkpoints and final-model)"
+    )
+    holds, not_holds = fits(p["peak"])
+    lines.append(f"fits: {sizes(holds)}; does not fit: {sizes(not_holds)}")
+    return "\n".join(lines)
+
+
+def sizes(gigabytes: list[int]) -> str:
+    return f"{', '.join(map(str, gigabytes))} GB" if gigabytes else "none of them"
+
+
+def check_fit(model: str, options: dict, free_bytes: int) -> None:
+    """Stop before loading when the plan's peak exceeds the GPU's free memory: one line naming the
+    largest items and the options that shrink them."""
+    p = plan(model, options)
+    if p["peak"] <= free_bytes:
+        return
+    largest = sorted(p["items"].items(), key=lambda item: -item[1])[:3]
+    named = ", ".join(f"{name} {size / GB:.1f} GB" for name, size in largest)
+    raise SystemExit(
+        f"error: this run needs about {p['peak'] / GB:.1f} GB and the GPU has "
+        f"{free_bytes / GB:.1f} GB free (largest: {named}); try --rollout-chunk (fewer prompts "
+        f"sampled at once), --max-completion-length, --groups-per-micro-batch 1, --beta 0, or "
+        f"--preset qwen0.5b-24gb; "
+        f"python cwgrpo.py ... --plan shows the whole plan"
+    )
