@@ -420,8 +420,8 @@ def test_bad_paths_and_data_stop_before_any_model_is_loaded(tmp_path, tiny_args,
     def no_loading(*_, **__):
         raise AssertionError("a model was loaded before the input was checked")
 
-    monkeypatch.setattr(cwgrpo, "load_model", no_loading)
-    monkeypatch.setattr(cwgrpo, "load_tokenizer", no_loading)
+    monkeypatch.setattr(loading, "load_model", no_loading)
+    monkeypatch.setattr(loading, "load_tokenizer", no_loading)
 
     def refused(*args):
         with pytest.raises(SystemExit) as error:
@@ -536,14 +536,31 @@ def test_tiny_run_writes_metrics_checkpoints_and_model(tiny_run):
     assert "rollout_s" in json.loads((tiny_run / "metrics.jsonl").read_text().splitlines()[0])
 
 
+class Crash(Exception):
+    """What stops a run in-process where a kill would stop it in a process of its own."""
+
+
+def crash_at_save(monkeypatch, n: int) -> None:
+    """The run stops at its nth checkpoint save, before anything of it is written."""
+    real, calls = runtime.save_checkpoint, []
+
+    def save(*args, **kwargs):
+        calls.append(args[1])
+        if len(calls) == n:
+            (args[0] / f".{args[1]}.partial").mkdir()  # as a kill mid-save leaves it
+            raise Crash(args[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runtime, "save_checkpoint", save)
+
+
 @pytest.mark.slow
-def test_resume_reproduces_the_uninterrupted_run(tiny_run, tmp_path, TINY_RUN):
+def test_resume_reproduces_the_uninterrupted_run(tiny_run, tmp_path, TINY_RUN, monkeypatch):
     crashed = tmp_path / "crashed"
-    shutil.copytree(tiny_run, crashed)
-    # as if killed during step 4's save: no checkpoint-4 (a partial one at most), no final model
-    shutil.rmtree(crashed / "checkpoint-4")
-    shutil.rmtree(crashed / "final-model")
-    (crashed / ".checkpoint-4.partial").mkdir()
+    crash_at_save(monkeypatch, 2)  # during step 4's save: no checkpoint-4, no final model
+    with pytest.raises(Crash):
+        cwgrpo.train(cwgrpo.parse_config([*TINY_RUN, "--output-dir", str(crashed)]))
+    monkeypatch.undo()
     assert runtime.latest_checkpoint(crashed).name == "checkpoint-2"
     cwgrpo.train(cwgrpo.parse_config([*TINY_RUN, "--output-dir", str(crashed), "--resume"]))
     assert read_metrics(crashed / "metrics.jsonl") == read_metrics(tiny_run / "metrics.jsonl")
@@ -1684,7 +1701,7 @@ def test_cw_gradient_only_control_is_grpo_plus_the_gradient_through_the_weights(
 
 
 @pytest.mark.slow
-def test_the_paper_recipe_code_path_runs_and_resumes_on_cpu(tmp_path, tiny_base):
+def test_the_paper_recipe_code_path_runs_and_resumes_on_cpu(tmp_path, tiny_base, monkeypatch):
     """The paper-1.5b preset's code path, which no tiny run takes: an untied LM head, gradient
     checkpointing, the Open-RS system prompt through the chat template, beta 0.04 with a
     reference model, then a checkpoint and --resume. Qwen2.5-1.5B's hidden size (1,536), heads
@@ -1737,20 +1754,23 @@ def test_the_paper_recipe_code_path_runs_and_resumes_on_cpu(tmp_path, tiny_base)
         str(tmp_path / "run"),
     ]
     cfg = cwgrpo.parse_config(args)
+    full = tmp_path / "full"
+    cwgrpo.train(cwgrpo.parse_config([*args, "--output-dir", str(full)]))
+    crash_at_save(monkeypatch, 2)  # a crash during checkpoint-2's save, then --resume
     assert (cfg.gradient_checkpointing, cfg.beta, cfg.method, cfg.system_prompt) == (
         True,
         0.04,
         "cw",
         cwgrpo.OPEN_RS_SYSTEM_PROMPT,
     )
-    cwgrpo.train(cfg)
-    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    with pytest.raises(Crash):
+        cwgrpo.train(cfg)
+    monkeypatch.undo()
+    records = read_metrics(full / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
     # a random model earns no reward, so its advantages and update are 0; what is checked is that
     # the whole path runs: the reference pass, backward through checkpointed layers, the untied head
     assert all(math.isfinite(r[k]) for r in records for k in ("loss", "grad_norm", "kl_mean"))
-    shutil.rmtree(tmp_path / "run" / "checkpoint-2")
-    shutil.rmtree(tmp_path / "run" / "final-model")
     cwgrpo.train(cwgrpo.parse_config([*args, "--resume"]))
     assert read_metrics(tmp_path / "run" / "metrics.jsonl") == records
 
@@ -1780,6 +1800,7 @@ KILL_POINTS = {  # CWGRPO_FAULT -> where the run dies
     "transformers:PreTrainedTokenizerBase.save_pretrained:2:after": "checkpoint-4: tokenizer",
     "torch:save:3:after": "checkpoint-4: optimizer.pt written, trainer_state.pt not",
     "torch:save:4:after": "checkpoint-4: trainer state written, not yet renamed",
+    "runtime:prune_checkpoints:2": "checkpoint-4 renamed, checkpoint-2 still holds optimizer.pt",
     "plots:plot_run:1": "just after checkpoint-2 is complete, before its pictures",
     "plots:token_page:2": "drawing checkpoint-4's token page",
     "runtime:save_checkpoint:4": "after every step, before final-model is written",
@@ -2017,12 +2038,9 @@ def test_every_method_trains_on_a_degenerate_batch_with_the_pictures_on(
 @pytest.mark.slow
 def test_a_resume_with_other_options_is_refused_and_the_record_kept(tiny_args, tmp_path):
     out = tmp_path / "run"
-    first = run_cli(
-        *tiny_args, "--method", "cw", "--steps", "4", "--save-every", "2", "--output-dir", str(out)
-    )
-    assert first.returncode == 0, first.stderr
-    (out / "final-model").rename(tmp_path / "moved")  # an unfinished run's folder
-    shutil.rmtree(out / "checkpoint-4")
+    args = [*tiny_args, "--method", "cw", "--steps", "4", "--save-every", "2", "--output-dir"]
+    first = fault_run([*args, str(out)], "runtime:save_checkpoint:2")  # before checkpoint-4
+    assert first.returncode == -signal.SIGKILL, first.stderr
     record = (out / "run_config.json").read_text()
     refused = run_cli(
         *tiny_args,
