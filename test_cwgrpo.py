@@ -1523,6 +1523,7 @@ class PageParser(HTMLParser):
 def test_a_run_leaves_its_curves_and_a_valid_small_token_page(tiny_run):
     assert (tiny_run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     page = (tiny_run / "tokens.html").read_text()
+    assert "cw as released normalises its weights over padded positions" in page  # the legend
     views = torch.load(tiny_run / "checkpoint-4" / "trainer_state.pt", weights_only=False)[
         "token_views"
     ]
@@ -2038,22 +2039,28 @@ def test_every_method_trains_on_a_degenerate_batch_with_the_pictures_on(
 @pytest.mark.slow
 def test_a_resume_with_other_options_is_refused_and_the_record_kept(tiny_args, tmp_path):
     out = tmp_path / "run"
-    args = [*tiny_args, "--method", "cw", "--steps", "4", "--save-every", "2", "--output-dir"]
-    first = fault_run([*args, str(out)], "runtime:save_checkpoint:2")  # before checkpoint-4
+    first = fault_run(
+        [
+            *tiny_args,
+            "--method",
+            "cw",
+            "--steps",
+            "4",
+            "--save-every",
+            "2",
+            "--output-dir",
+            str(out),
+        ],
+        "runtime:save_checkpoint:2",
+    )  # before ckpt-4
     assert first.returncode == -signal.SIGKILL, first.stderr
     record = (out / "run_config.json").read_text()
-    refused = run_cli(
-        *tiny_args,
-        "--method",
-        "grpo",
-        "--steps",
-        "4",
-        "--save-every",
-        "2",
-        "--output-dir",
-        str(out),
-        "--resume",
-    )
+
+    def resume(method: str, steps: int):
+        options = ["--method", method, "--steps", str(steps), "--save-every", "2"]
+        return run_cli(*tiny_args, *options, "--output-dir", str(out), "--resume")
+
+    refused = resume("grpo", 4)
     assert refused.returncode == 1
     line = refused.stderr.strip()
     assert line.startswith(
@@ -2062,18 +2069,7 @@ def test_a_resume_with_other_options_is_refused_and_the_record_kept(tiny_args, t
     )
     assert "--steps, --save_every, --log_every, --reward_workers, --output_dir" in line
     assert "\n" not in line and (out / "run_config.json").read_text() == record
-    extended = run_cli(
-        *tiny_args,
-        "--method",
-        "cw",
-        "--steps",
-        "5",
-        "--save-every",
-        "2",
-        "--output-dir",
-        str(out),
-        "--resume",
-    )
+    extended = resume("cw", 5)
     assert extended.returncode == 0, extended.stderr
     assert (
         "note: --steps 5 (was 4): the cosine learning-rate schedule is recomputed"
@@ -2082,18 +2078,7 @@ def test_a_resume_with_other_options_is_refused_and_the_record_kept(tiny_args, t
     recorded = json.loads((out / "run_config.json").read_text())
     assert recorded["method"] == "cw" and recorded["steps"] == 4  # the run as it was started
     assert recorded["resumes"] == [{"from": "checkpoint-2", "changed": {"steps": [4, 5]}}]
-    again = run_cli(
-        *tiny_args,
-        "--method",
-        "cw",
-        "--steps",
-        "5",
-        "--save-every",
-        "2",
-        "--output-dir",
-        str(out),
-        "--resume",
-    )
+    again = resume("cw", 5)
     assert again.returncode == 0
     assert f"nothing to do: {out} has finished its 5 steps" in again.stdout
     assert "done in" not in again.stdout  # no retraining, no summary
@@ -2670,3 +2655,15 @@ def test_gpu_check_runs_at_tiny_shapes():
         "every logit finite after a left-padded prefill: cwgrpo's mask True, plain mask True"
         in lines
     )
+
+
+def test_a_cuda_run_that_cannot_fit_stops_before_loading(monkeypatch, tmp_path):
+    """The wiring of the fit check into a run: CUDA's API answers as a 40 GB card would; the plan,
+    the check and the run are the real ones, and nothing is loaded (the model is a hub id)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *_: (40 * 10**9, 48 * 10**9))
+    monkeypatch.setattr(loading, "load_dataset", lambda *_: pytest.fail("loaded before the check"))
+    with pytest.raises(SystemExit) as error:
+        cwgrpo.main(["--preset", "paper-1.5b", "--output-dir", str(tmp_path / "run")])
+    assert str(error.value).startswith("error: this run needs about 58.1 GB and the GPU has 40.0")
+    assert not (tmp_path / "run").exists()
