@@ -142,8 +142,11 @@ def check_model_path(model: str, hint: str = "") -> None:
     it starts with . / or ~, has more than one /, or lies in a folder that exists here (runs/x);
     anything else ("org/name") is a hub id."""
     path = Path(model).expanduser()
-    local = model.startswith((".", "/", "~")) or model.count("/") > 1 or path.parent.name != ""
-    if not path.exists() and local and (model.count("/") != 1 or path.parent.is_dir()):
+    slashes = model.count("/")
+    local = (
+        model.startswith((".", "/", "~")) or slashes > 1 or (slashes == 1 and path.parent.is_dir())
+    )
+    if local and not path.exists():
         raise SystemExit(f"error: --model {model}: no such folder{hint}")
 
 
