@@ -350,7 +350,7 @@ def train(argv: list) -> Path:
 
 def resumed_step(output_dir: Path) -> int:
     checkpoint = runtime.latest_checkpoint(output_dir)
-    return 0 if checkpoint is None else int(checkpoint.name.split("-")[1])
+    return 0 if checkpoint is None else runtime.checkpoint_step(checkpoint)
 
 
 def plot(argv: list) -> Path:

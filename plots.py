@@ -11,7 +11,7 @@ from pathlib import Path
 
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from runtime import never_fatal, read_records
+from runtime import checkpoint_step, checkpoints, never_fatal, read_records
 
 
 def pyplot():
@@ -162,11 +162,11 @@ def run_summary(output_dir: Path, wall_s: float, temperature: float, evaluate_co
     for key in SUMMARY_KEYS:
         first, last = first_to_last(records, key)
         out.append(f"  {key.removesuffix('_mean'):9s} {first:8.3f} -> {last:.3f}")
-    checkpoints = sorted(output_dir.glob("checkpoint-*"), key=lambda p: int(p.name[11:]))
+    kept = sorted(checkpoints(output_dir), key=checkpoint_step)
     return "\n".join(
         out
         + [
-            f"checkpoints: {', '.join(map(str, checkpoints))}",
+            f"checkpoints: {', '.join(map(str, kept))}",
             f"final model: {output_dir / 'final-model'}",
             f"pictures:    {output_dir / 'curves.png'} and {output_dir / 'tokens.html'}",
             f"evaluate it: {evaluate_command} (at evaluate.py's own --temperature, which its "

@@ -503,7 +503,7 @@ def check_resume(checkpoint: Path, options: dict, steps: int, may_change: tuple)
             f"resume with the run's own options or start another --output-dir (a resume may "
             f"change only --{', --'.join(may_change)})"
         )
-    done = int(checkpoint.name.split("-")[1])
+    done = checkpoint_step(checkpoint)
     if done >= steps and (checkpoint.parent / "final-model").is_dir():
         print(
             f"nothing to do: {checkpoint.parent} has finished its {done} steps "
