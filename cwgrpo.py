@@ -10,8 +10,8 @@ covariance score. docs/math.md has every formula, with the papers' equation and 
 """
 
 import dataclasses
-import functools
 import json
+import math
 import os
 import random
 import sys
@@ -30,6 +30,7 @@ import memory_plan
 import plots
 import runtime
 import tiny
+import vllm_engine
 from lm_head import chunked_logprobs, ict_divergence
 from runtime import arg
 from sampling import attention_mask, generate_completions
@@ -51,12 +52,12 @@ RULES = [
     (">= 2", "group_size"),
     ("> 0", "prompts_per_step groups_per_micro_batch max_prompt_length max_completion_length"),
     ("> 0", "temperature reward_timeout_s num_iterations learning_rate max_grad_norm steps"),
-    ("> 0", "save_every logit_chunk_elements log_every"),
+    ("> 0", "save_every logit_chunk_elements log_every sampler_correction_cap"),
     ("in (0, 1]", "top_p clip_cov_ratio kl_cov_ratio lopti_eta ar_lopti_eta ict_keep_frac"),
-    ("in (0, 1]", "entropy_top_frac"),
+    ("in (0, 1]", "entropy_top_frac vllm_gpu_memory_utilization"),
     (">= 0", "top_k accuracy_weight format_weight reward_workers beta eps_low eps_high"),
     (">= 0", "kl_cov_coef stapo_max_prob weight_decay seed threads"),
-    (">= 0", "rollout_chunk save_total_limit"),
+    (">= 0", "rollout_chunk save_total_limit sampler_correction_min"),
     ("in [0, 1]", "ar_alpha ar_lopti_alpha min_lr_ratio warmup_ratio"),
     ("in [0, 100]", "stapo_entropy_percentile"),
 ]
@@ -85,6 +86,8 @@ class Config:
     length_limit: Literal["total", "new"] = arg(
         "total", "total: prompt + completion (released: vLLM's max length); new: new tokens"
     )
+    rollout: Literal["hf", "vllm"] = arg("hf", "sampler: hf (sampling.py) or vllm (vllm_engine.py)")
+    vllm_gpu_memory_utilization: float = arg(0.3, "vllm on CUDA: share of the GPU while it samples")
     temperature: float = arg(0.7, "sampling temperature; log-probs use it too")
     top_p: float = arg(1.0, "nucleus sampling; 1.0 is off (paper)")
     top_k: int = arg(0, "top-k sampling; 0 is off (paper)")
@@ -96,6 +99,11 @@ class Config:
     beta: float = arg(0.04, "k3 KL coefficient; 0 loads no reference model")
     eps_low: float = arg(0.2, "PPO clip range below 1")
     eps_high: float = arg(0.2, "PPO clip range above 1")
+    sampler_correction: Literal[
+        "none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
+    ] = arg("none", "importance weights for the sampler-trainer mismatch (none: as released)")
+    sampler_correction_cap: float = arg(3.0, "C: truncate the ratio at it, or mask above it")
+    sampler_correction_min: float = arg(0.0, "C_min: the *_mask modes also mask ratios below it")
     loss_aggregation: Literal["seq-mean-token-mean", "token-mean"] = arg(
         "seq-mean-token-mean", "seq-mean-token-mean (GRPO, the paper) or token-mean (DAPO)"
     )
@@ -147,6 +155,8 @@ class Config:
                 f"error: unknown --method {self.method!r}; choose from {', '.join(METHODS)}"
             )
         runtime.check_rules(self, RULES)
+        if self.rollout == "vllm" and not self.plan:  # a plan needs no engine
+            vllm_engine.check_installed()
         if self.clip_cov_lb >= self.clip_cov_ub:
             raise SystemExit(
                 f"error: --clip-cov-lb ({self.clip_cov_lb}) must be below "
@@ -203,36 +213,8 @@ def parse_config(argv=None, *extra_dataclasses, hidden: tuple = ()):
 
 
 # 2. Data and prompts ----------------------------------------------------------------------------
-class PromptStream:
-    """Tokenised (prompt, gold) pairs in a seeded order, reshuffled each epoch. Its position, a
-    count of prompts served, is all a checkpoint needs."""
-
-    def __init__(self, dataset, tokenizer, cfg: Config):
-        pairs = [
-            (loading.chat_prompt_ids(tokenizer, str(question), cfg.system_prompt), str(gold))
-            for question, gold in zip(dataset[cfg.question_column], dataset[cfg.gold_column])
-        ]
-        self.items = [(ids, gold) for ids, gold in pairs if len(ids) <= cfg.max_prompt_length]
-        self.skipped, self.seed, self.position = len(pairs) - len(self.items), cfg.seed, 0
-        if self.skipped:
-            print(f"skipped {self.skipped} prompts longer than --max-prompt-length")
-        if not self.items:
-            raise SystemExit(
-                f"error: every prompt is longer than --max-prompt-length {cfg.max_prompt_length}"
-            )
-
-    @functools.lru_cache(maxsize=1)  # noqa: B019 - one stream per run, alive as long as the run
-    def order(self, epoch: int) -> list[int]:
-        generator = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(len(self.items), generator=generator).tolist()
-
-    def next_batch(self, n: int) -> list[tuple[list[int], str]]:
-        batch = []
-        for _ in range(n):
-            epoch, index = divmod(self.position, len(self.items))
-            batch.append(self.items[self.order(epoch)[index]])
-            self.position += 1
-        return batch
+# Each question goes into the model's chat template, with --system-prompt; loading.PromptStream
+# serves them in a seeded order reshuffled each epoch, skipping those over --max-prompt-length.
 
 
 # 3. Reward: math-verify accuracy + format (docs/math.md, "Reward") ------------------------------
@@ -298,7 +280,7 @@ def reward_worker_count(cfg: Config) -> int:
 # 4. Sampling ------------------------------------------------------------------------------------
 # The (N, T) tensors of a Rollout, one value per completion token
 PER_TOKEN = ("completion_ids", "completion_mask", "old_logp", "entropy", "divergence", "ref_logp")
-PER_TOKEN += ("active",)
+PER_TOKEN += ("active", "sampler_logp")
 
 
 @dataclass
@@ -311,6 +293,7 @@ class Rollout:
     completion_mask: torch.Tensor  # (N, T) float, 1 up to and including the first EOS
     truncated: torch.Tensor  # (N,) bool, no EOS within the limit
     texts: list
+    sampler_logp: torch.Tensor  # (N, T) log-probs of the sampled tokens by the sampler's kernels
     golds: list
     rewards: torch.Tensor = None
     advantages: torch.Tensor = None
@@ -348,22 +331,22 @@ class Rollout:
 
 
 @torch.no_grad()
-def sample(model, tokenizer, batch: list[tuple[list[int], str]], cfg: Config) -> Rollout:
-    """G completions per prompt with plain temperature sampling (top-p/top-k only where set)."""
+def sample(model, tokenizer, batch: list[tuple[list[int], str]], cfg: Config, engine=None):
+    """G completions per prompt with plain temperature sampling (top-p/top-k only where set), by
+    sampling.py's loop or, given one, a vLLM engine that samples from `model`'s weights."""
     model.eval()
     limit = cfg.max_completion_length
     total = limit if cfg.length_limit == "total" else None
     distribution = (cfg.group_size, cfg.temperature, cfg.top_p, cfg.top_k, limit, total)
     prompts = [ids for ids, _ in batch]
-    prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts = (
-        generate_completions(model, tokenizer, prompts, *distribution, cfg.rollout_chunk)
-    )
+    if engine is None:
+        out = generate_completions(model, tokenizer, prompts, *distribution, cfg.rollout_chunk)
+    else:
+        out = engine.generate(model, tokenizer, prompts, *distribution)
     golds = [gold for _, gold in batch for _ in range(cfg.group_size)]
     if cfg.mask_truncated_completions:  # out of the loss, not out of the reward
-        completion_mask = completion_mask * (~truncated)[:, None]
-    return Rollout(
-        prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts, golds
-    )
+        out = out._replace(completion_mask=out.completion_mask * (~out.truncated)[:, None])
+    return Rollout(**out._asdict(), golds=golds)
 
 
 # 5. Log-probs and entropy, chunked over positions -----------------------------------------------
@@ -495,9 +478,7 @@ def clip_cov(group: Group, cfg: Config) -> TokenTerms:
 def kl_cov(group: Group, cfg: Config) -> TokenTerms:
     """KL-Cov (Cui et al. 2025): no clipping; |logp - old_logp| on the top-k tokens by C."""
     cov = token_covariance(group.logp, group.advantages, group.mask)
-    n_valid = int(
-        group.mask.sum()
-    )  # k is at least 1, at most the valid tokens (0 in an empty group)
+    n_valid = int(group.mask.sum())  # k: at least 1, at most the valid tokens (0 in an empty group)
     k = min(max(1, int(cfg.kl_cov_ratio * n_valid)), n_valid)
     top = torch.zeros_like(group.mask, dtype=torch.bool).view(-1)
     top[cov.masked_fill(group.mask == 0, -torch.inf).view(-1).topk(k).indices] = True
@@ -599,14 +580,31 @@ METHODS = {
 
 
 # 8. The loss ------------------------------------------------------------------------------------
-def token_loss(logp, old_logp, ref_logp, advantages, terms: TokenTerms, cfg: Config):
-    """Per-token loss w * pg + beta * k3 (+ a method's extra term); the KL is never weighted."""
+def sampler_correction(old_logp, sampler_logp, mask, cfg: Config):
+    """Importance weights for the sampler-trainer mismatch, as TRL's (math.md "Sampler-trainer
+    mismatch"): rho = exp(l - s) per token, or per sequence summed in log space, so that a long
+    completion's sum neither overflows nor gives 0 x inf; truncate: min(rho, C); mask: rho, but 0
+    outside [C_min, C]. none (the released recipe): 1."""
+    if cfg.sampler_correction == "none":
+        return 1.0
+    log_rho = (old_logp - sampler_logp) * mask
+    if cfg.sampler_correction.startswith("sequence"):
+        log_rho = log_rho.sum(1, keepdim=True)
+    rho = log_rho.clamp(max=math.log(cfg.sampler_correction_cap)).exp()
+    if cfg.sampler_correction.endswith("truncate"):
+        return rho
+    inside = (log_rho <= math.log(cfg.sampler_correction_cap)) & (rho >= cfg.sampler_correction_min)
+    return rho * inside
+
+
+def token_loss(logp, old_logp, ref_logp, advantages, terms: TokenTerms, cfg: Config, rho=1.0):
+    """Per-token loss rho w pg + beta k3 (+ a method's extra term); the KL is never weighted."""
     ratio = torch.exp(logp - old_logp)
     adv = advantages[:, None]
     pg = -ratio * adv
     if terms.clip:  # PPO's clipped surrogate
         pg = torch.max(pg, -ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * adv)
-    loss = terms.pg_weight * pg
+    loss = terms.pg_weight * pg * rho
     if terms.extra is not None:
         loss = loss + terms.extra
     if ref_logp is not None:
@@ -656,16 +654,18 @@ def micro_batch_loss(
     old_logp = rollout.old_logp if rollout.old_logp is not None else logp.detach()
     entropy = rollout.entropy if rollout.entropy is not None else entropy
     terms = micro_batch_terms(logp, old_logp, entropy, rollout, cfg, update_pass)
-    per_token = token_loss(logp, old_logp, rollout.ref_logp, rollout.advantages, terms, cfg)
     mask = rollout.completion_mask
+    rho = sampler_correction(old_logp, rollout.sampler_logp, mask, cfg)
+    per_token = token_loss(logp, old_logp, rollout.ref_logp, rollout.advantages, terms, cfg, rho)
     loss = aggregate(per_token, mask, cfg.loss_aggregation, n_responses, n_tokens)
     return loss, (logp.detach(), old_logp, entropy, terms)
 
 
 def token_metrics(
-    logp, old_logp, ref_logp, entropy, advantages, mask, terms: TokenTerms, cfg: Config
+    logp, old_logp, ref_logp, entropy, advantages, mask, sampler_logp, terms: TokenTerms, cfg
 ) -> dict:
-    """Per valid token, what the step's metrics average (entropy, KL, clipping, the weights...)."""
+    """Per valid token, what the step's metrics average (entropy, KL, clipping, the weights, and
+    the sampler-trainer mismatch: the trainer's log-prob l against the sampler's s)."""
     valid = mask.bool()
     active = torch.ones_like(logp) if terms.active is None else terms.active
     kl = torch.zeros_like(logp) if ref_logp is None else k3(logp, ref_logp)
@@ -673,6 +673,8 @@ def token_metrics(
     weight = terms.pg_weight.detach()
     per_token = dict(entropy=entropy, kl=kl, clipped=clipped, w=weight)
     per_token |= dict(touched=touched_tokens(terms), pg_on=(weight != 0) & (active != 0))
+    log_rho = old_logp - sampler_logp
+    per_token |= dict(sampler_diff=log_rho.abs(), rho=log_rho.exp())
     return {name: values[valid].float() for name, values in per_token.items()}
 
 
@@ -707,9 +709,8 @@ def rollout_rewards(rollout: Rollout, grades: list[Grade], cfg: Config) -> dict:
     accuracy = torch.tensor([g.accuracy for g in grades])
     formats = torch.tensor([format_reward(text) for text in rollout.texts])
     rollout.rewards = cfg.accuracy_weight * accuracy + cfg.format_weight * formats
-    rollout.advantages = group_advantages(rollout.rewards, cfg.group_size).to(
-        rollout.completion_ids.device
-    )
+    advantages = group_advantages(rollout.rewards, cfg.group_size)
+    rollout.advantages = advantages.to(rollout.completion_ids.device)
     group_std = rollout.rewards.view(-1, cfg.group_size).std(1)
     return {
         "reward_mean": rollout.rewards.mean().item(),
@@ -737,7 +738,7 @@ def accumulate_gradients(model, rollout: Rollout, cfg: Config, autocast, update_
             )
         loss.backward()
         total_loss += loss.item()
-        tokens = (part.ref_logp, entropy, part.advantages, part.completion_mask)
+        tokens = (part.ref_logp, entropy, part.advantages, part.completion_mask, part.sampler_logp)
         metrics.append(token_metrics(logp, old_logp, *tokens, terms, cfg))
     return total_loss, metrics
 
@@ -769,15 +770,18 @@ def update(
         "w_max": w.max().item(),
         "w_frac_below_half": (w < 0.5).float().mean().item(),
         "w_frac_above_2": (w > 2).float().mean().item(),
+        "sampler_logp_diff_mean": token["sampler_diff"].mean().item(),
+        "sampler_logp_diff_max": token["sampler_diff"].max().item(),
+        **{f"sampler_ratio_{f}": getattr(token["rho"], f)().item() for f in ("min", "mean", "max")},
     }
 
 
 def collect_rollout(
-    model, reference, tokenizer, prompts: PromptStream, grader: Grader, cfg: Config
+    model, reference, tokenizer, prompts, grader: Grader, cfg: Config, engine=None
 ) -> tuple[Rollout, dict]:
     """Sample a batch, score it, compute its advantages (grading runs during the passes)."""
     method = METHODS[cfg.method]
-    rollout = sample(model, tokenizer, prompts.next_batch(cfg.prompts_per_step), cfg)
+    rollout = sample(model, tokenizer, prompts.next_batch(cfg.prompts_per_step), cfg, engine)
     grades = grader.submit(
         [(text, gold, "default") for text, gold in zip(rollout.texts, rollout.golds)]
     )
@@ -866,7 +870,7 @@ def train(cfg: Config, on_rollout: Callable | None = None) -> Path:
         loading.check_model_path(cfg.model)
         options = dataclasses.asdict(cfg)
         if device.type == "cuda":  # before anything loads: a run that cannot fit stops here
-            memory_plan.check_fit(cfg.model, options, torch.cuda.mem_get_info()[0])
+            memory_plan.check_fit(cfg.model, options, *torch.cuda.mem_get_info())
         resume_from = runtime.check_resumable(output_dir, cfg.resume)
         if resume_from and runtime.check_resume(resume_from, options, cfg.steps, RESUME_MAY_CHANGE):
             return output_dir
@@ -889,17 +893,20 @@ def run(cfg: Config, device, dataset, resume_from, grader: Grader, on_rollout, s
     transformers.utils.logging.disable_progress_bar()
     print(f"loading {resume_from or cfg.model} ...", flush=True)
     tokenizer = loading.load_tokenizer(str(resume_from or cfg.model))
-    prompts = PromptStream(dataset, tokenizer, cfg)
+    prompts = loading.PromptStream(dataset, tokenizer, cfg)
     model = loading.load_model(str(resume_from or cfg.model), torch.float32, device)  # fp32 masters
     reference = loading.load_reference(cfg.model, device) if cfg.beta > 0 else None
     if cfg.gradient_checkpointing:
         loading.enable_checkpointing(model)
+    engine = None  # the engine samples from the weights pushed at each rollout: never stale ones
+    if cfg.rollout == "vllm":
+        length = cfg.max_completion_length + cfg.max_prompt_length * (cfg.length_limit == "new")
+        rows, share = cfg.prompts_per_step * cfg.group_size, cfg.vllm_gpu_memory_utilization
+        engine = vllm_engine.Engine(cfg.model, length, rows, device, share, cfg.seed)
     method = METHODS[cfg.method]
     if cfg.method == "kl_cov" and cfg.num_iterations == 1:
-        print(
-            "note: kl_cov does nothing with one update per rollout batch: logp == old_logp, so "
-            "its penalty |logp - old_logp| is 0 and it trains as GRPO; use --num-iterations 2"
-        )
+        note = "note: kl_cov's |logp - old_logp| is 0 with one update per batch: it trains as GRPO"
+        print(note + "; use --num-iterations 2")
     updates_per_rollout = cfg.num_iterations * method.update_passes
     total_updates = cfg.steps * updates_per_rollout
     fused = device.type == "cuda"  # one kernel, no foreach temporaries (params x 4 bytes)
@@ -930,7 +937,7 @@ def run(cfg: Config, device, dataset, resume_from, grader: Grader, on_rollout, s
         t0 = time.perf_counter()
         with autocast():
             rollout, rollout_metrics = collect_rollout(
-                model, reference, tokenizer, prompts, grader, cfg
+                model, reference, tokenizer, prompts, grader, cfg, engine
             )
             if step == 0 or step + 1 == cfg.steps:
                 with runtime.never_fatal("draw the token page"):
@@ -952,20 +959,14 @@ def run(cfg: Config, device, dataset, resume_from, grader: Grader, on_rollout, s
                 "update_s": time.perf_counter() - t1,
                 "time": time.time(),
             }
-            record["tokens_per_s"] = rollout.completion_mask.sum().item() / (
-                rollout_s + record["update_s"]
-            )
+            seconds = rollout_s + record["update_s"]
+            record["tokens_per_s"] = rollout.completion_mask.sum().item() / seconds
             runtime.append_record(metrics_path, record)
         progress.step(**{k: f"{record[k + '_mean']:.3f}" for k in ("reward", "entropy")})
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps or stop.requested:
-            trainer_state = {
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "rng": runtime.rng_states(),
-                "step": step + 1,
-                "data_position": prompts.position,
-                "token_views": views,
-            }
+            trainer_state = dict(optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict())
+            trainer_state |= dict(rng=runtime.rng_states(), step=step + 1, token_views=views)
+            trainer_state["data_position"] = prompts.position
             files = {"run_config.json": json.dumps(config, indent=2)}
             name = f"checkpoint-{step + 1}"
             keep = cfg.save_total_limit

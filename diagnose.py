@@ -304,7 +304,7 @@ def batch(argv: list) -> Path:
     )
     autocast = runtime.bf16_autocast(device)
     torch.manual_seed(cfg.seed)
-    prompts = cwgrpo.PromptStream(
+    prompts = loading.PromptStream(
         loading.load_dataset(cfg.dataset, cfg.dataset_split, cfg.question_column, cfg.gold_column),
         tokenizer,
         cfg,

@@ -4,11 +4,13 @@
     python evaluate.py --model PATH --n 16                      # avg@16 and pass@k with error bars
     python evaluate.py --model PATH --benchmarks my.jsonl --question-column q --gold-column a
     python evaluate.py --checkpoints "runs/x/checkpoint-*"      # the checkpoint-stability table
+    python evaluate.py --model PATH --n 16 --engine vllm        # the same, sampled by vLLM
 
 Benchmarks, prompt and sampling follow docs/math.md, "Evaluation"; grading is cwgrpo.py's
 math-verify reward, with the gold parsed as an expression or as LaTeX per benchmark.
 """
 
+import functools
 import glob
 import hashlib
 import json
@@ -27,6 +29,7 @@ import loading
 import plots
 import runtime
 import sampling
+import vllm_engine
 
 
 class Benchmark(NamedTuple):
@@ -139,6 +142,13 @@ class EvalConfig:
         metadata={"help": "processes grading in parallel; 0 is one per CPU core, at most 8"},
     )
     device: str = field(default="auto", metadata={"help": "auto (cuda if present), cuda or cpu"})
+    engine: Literal["hf", "vllm"] = field(
+        default="hf",
+        metadata={"help": "sampler: hf (sampling.py's loop) or vllm (vllm_engine.py), alike"},
+    )
+    vllm_gpu_memory_utilization: float = field(
+        default=0.9, metadata={"help": "--engine vllm on CUDA: the share of the GPU it holds"}
+    )
     overwrite: bool = field(
         default=False,
         metadata={"help": "recompute benchmarks whose saved samples were made with other settings"},
@@ -190,9 +200,13 @@ def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path) -> dict:
     ]
     output_dir.mkdir(parents=True, exist_ok=True)  # once the benchmarks are known to load
     tokenizer = loading.load_tokenizer(model_path)
-    model = loading.load_model(
-        model_path, torch.bfloat16 if device.type == "cuda" else torch.float32, device
-    ).eval()
+
+    def prompt_ids(question: str) -> list[int]:
+        return loading.chat_prompt_ids(
+            tokenizer, cfg.prompt_template.replace("{question}", question), ""
+        )
+
+    generate = sampler(model_path, tokenizer, cfg, device, n, benchmarks, prompt_ids)
     grader = cwgrpo.Grader(cfg.reward_timeout_s, cwgrpo.reward_worker_count(cfg))
     results = {}
     for name, bench, problems in benchmarks:
@@ -209,12 +223,10 @@ def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path) -> dict:
             "max_new_tokens": cfg.max_new_tokens,
             "seed": cfg.seed,
             "limit": cfg.limit,
+            "engine": cfg.engine,
         }
         done = finished_problems(progress_path, settings, cfg.overwrite)
-        prompts = [
-            loading.chat_prompt_ids(tokenizer, cfg.prompt_template.replace("{question}", q), "")
-            for q, _ in problems
-        ]
+        prompts = [prompt_ids(question) for question, _ in problems]
         todo = sorted(
             (i for i in range(len(problems)) if i not in done), key=lambda i: len(prompts[i])
         )
@@ -227,17 +239,8 @@ def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path) -> dict:
                 torch.manual_seed(
                     cfg.seed + batch[0]
                 )  # a problem's samples do not depend on what ran before
-                texts = sampling.generate_completions(
-                    model,
-                    tokenizer,
-                    [prompts[i] for i in batch],
-                    n,
-                    cfg.temperature,
-                    cfg.top_p,
-                    0,
-                    cfg.max_new_tokens,
-                    None,
-                )[-1]
+                distribution = (n, cfg.temperature, cfg.top_p, 0, cfg.max_new_tokens, None)
+                texts = generate([prompts[i] for i in batch], *distribution).texts
                 all_grades = grader.map(
                     [
                         (text, problems[batch[k // n]][1], bench.gold_format)
@@ -262,6 +265,21 @@ def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path) -> dict:
                 bar.update(len(batch))
         results[name] = summarise([done[i] for i in range(len(problems))], n)
     return results
+
+
+def sampler(model_path: str, tokenizer, cfg: EvalConfig, device, n, benchmarks, prompt_ids):
+    """generate(prompts, n, temperature, top_p, top_k, max_new_tokens, max_total) by the
+    --engine: sampling.py's loop over the model, or a vLLM engine with the model's weights, which
+    holds the longest prompt of the benchmarks plus --max-new-tokens."""
+    if cfg.engine == "hf":
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        model = loading.load_model(model_path, dtype, device).eval()
+        return functools.partial(sampling.generate_completions, model, tokenizer)
+    longest = max(len(prompt_ids(q)) for _, _, problems in benchmarks for q, _ in problems)
+    size = (longest + cfg.max_new_tokens, cfg.batch_size * n, device)
+    share, seed = cfg.vllm_gpu_memory_utilization, cfg.seed
+    engine = vllm_engine.Engine(model_path, *size, share, seed, pushed_weights=False)
+    return functools.partial(engine.generate, None, tokenizer)
 
 
 def finished_problems(progress_path: Path, settings: dict, overwrite: bool) -> dict:
@@ -434,6 +452,10 @@ def main(argv=None) -> None:
         raise SystemExit("error: pass exactly one of --model PATH_OR_HUB_ID and --checkpoints GLOB")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but no CUDA GPU was found; use --device cpu")
+    if cfg.engine == "vllm":
+        vllm_engine.check_installed("--engine vllm")
+    if not 0 < cfg.vllm_gpu_memory_utilization <= 1:
+        raise SystemExit("error: --vllm-gpu-memory-utilization must be in (0, 1]")
     cwgrpo.transformers.utils.logging.disable_progress_bar()
     source = cfg.model or cfg.checkpoints
     output_dir = Path(cfg.output_dir or default_output_dir(source))

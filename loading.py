@@ -12,7 +12,7 @@ from pathlib import Path
 import datasets
 import huggingface_hub
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 OFFLINE_HINT = "the hub cannot be reached from here, so only what is cached loads"
 
@@ -150,10 +150,21 @@ def check_model_path(model: str, hint: str = "") -> None:
         raise SystemExit(f"error: --model {model}: no such folder{hint}")
 
 
-def eos_token_ids(model, tokenizer) -> list[int]:
-    ids = model.generation_config.eos_token_id
+def eos_token_ids(generation_config, tokenizer) -> list[int]:
+    """The tokens a completion ends at: the generation config's EOS ids, else the tokenizer's."""
+    ids = generation_config.eos_token_id
     ids = [ids] if isinstance(ids, int) else list(ids or [])
     return ids or [tokenizer.eos_token_id]
+
+
+def generation_config(model_path: str) -> GenerationConfig:
+    """The generation config a model loaded from model_path gets: its generation_config.json, or
+    one made from its config.json when it ships none (as from_pretrained does)."""
+    try:
+        return GenerationConfig.from_pretrained(model_path)
+    except OSError:
+        config = AutoConfig.from_pretrained(model_path)
+        return GenerationConfig.from_model_config(config)
 
 
 def chat_prompt_ids(tokenizer, question: str, system_prompt: str) -> list[int]:
@@ -170,3 +181,36 @@ def enable_checkpointing(model) -> None:
     activation_checkpointing_enable, warning on the old name; older 5.x releases (vLLM pins one)
     have only the old name."""
     getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+
+
+class PromptStream:
+    """Tokenised (prompt, gold) pairs in a seeded order, reshuffled each epoch. Its position, a
+    count of prompts served, is all a checkpoint needs. cfg: a cwgrpo Config (its question_column,
+    gold_column, system_prompt, max_prompt_length and seed)."""
+
+    def __init__(self, dataset, tokenizer, cfg):
+        pairs = [
+            (chat_prompt_ids(tokenizer, str(question), cfg.system_prompt), str(gold))
+            for question, gold in zip(dataset[cfg.question_column], dataset[cfg.gold_column])
+        ]
+        self.items = [(ids, gold) for ids, gold in pairs if len(ids) <= cfg.max_prompt_length]
+        self.skipped, self.seed, self.position = len(pairs) - len(self.items), cfg.seed, 0
+        if self.skipped:
+            print(f"skipped {self.skipped} prompts longer than --max-prompt-length")
+        if not self.items:
+            raise SystemExit(
+                f"error: every prompt is longer than --max-prompt-length {cfg.max_prompt_length}"
+            )
+
+    @functools.lru_cache(maxsize=1)  # noqa: B019 - one stream per run, alive as long as the run
+    def order(self, epoch: int) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(len(self.items), generator=generator).tolist()
+
+    def next_batch(self, n: int) -> list[tuple[list[int], str]]:
+        batch = []
+        for _ in range(n):
+            epoch, index = divmod(self.position, len(self.items))
+            batch.append(self.items[self.order(epoch)[index]])
+            self.position += 1
+        return batch

@@ -10,7 +10,9 @@ Every item is counted, not guessed (the tests compare each with real allocations
 - activations saved for backward, per token and layer 8 H + 4 I + 2 KV + heads + 2 values (the
   layer's norms, projections, rotary embedding, attention with its log-sum-exp, and MLP), or with
   gradient checkpointing only each layer's input, plus one layer's worth recomputed in backward;
-- the LM head's chunks of logits (lm_head.py) and, without a fused AdamW, its foreach temporaries.
+- the LM head's chunks of logits (lm_head.py) and, without a fused AdamW, its foreach temporaries;
+- with --rollout vllm, no KV cache of ours: the engine holds --vllm-gpu-memory-utilization of the
+  card while it samples (its bf16 weights and its KV cache) and sleeps, holding none, in the update.
 """
 
 import json
@@ -131,12 +133,15 @@ def plan(model: str, options: dict, cuda: bool = True) -> dict:
         "one layer recomputed in backward": recompute,
         "LM head chunks": 3 * 4 * min(options["logit_chunk_elements"], tokens * arch.vocab),
     }
+    engine_share = options["vllm_gpu_memory_utilization"] if options["rollout"] == "vllm" else 0
+    if engine_share:  # the engine's own: its share of the card, counted per card by fits()
+        items["KV cache"] = 0
     resident = items["weights (fp32)"] + items["AdamW moments (fp32)"] + items["reference"]
     phases = {
         "rollout": resident
-        + items["autocast weight copies (bf16)"]
+        + items["autocast weight copies (bf16)"] * (not engine_share)
         + items["KV cache"]
-        + sampled_rows * arch.vocab * 4 * 3,  # the last position's logits, probabilities, CDF
+        + sampled_rows * arch.vocab * 4 * 3 * (not engine_share),  # last logits, probs, CDF
         "update": resident
         + items["gradients (fp32)"]
         + items["autocast weight copies (bf16)"]
@@ -150,6 +155,8 @@ def plan(model: str, options: dict, cuda: bool = True) -> dict:
         "items": items,
         "phases": phases,
         "peak": max(phases.values()),
+        "engine_share": engine_share,
+        "engine_weights": 2 * n if engine_share else 0,  # bf16, within the engine's share
         "disk": disk(n, options),
         "rows": rows,
         "positions": positions,
@@ -183,10 +190,21 @@ def disk(n: int, options: dict) -> dict:
     }
 
 
-def fits(peak: float) -> tuple[list[int], list[int]]:
-    """The common card sizes (GB) whose usable memory holds `peak` bytes, and those it does not."""
-    holds = [size for size in GPU_SIZES_GB if peak <= USABLE * size * GB]
-    return holds, [size for size in GPU_SIZES_GB if size not in holds]
+def holds(p: dict, card_bytes: float, free_bytes: float | None = None) -> bool:
+    """Whether a card of card_bytes (free_bytes of it free, else USABLE of it) holds the plan p:
+    every phase, the rollout's beside the vLLM engine's share of the whole card, which must also
+    hold the engine's weights with room for a KV cache."""
+    usable = USABLE * card_bytes if free_bytes is None else free_bytes
+    engine = p["engine_share"] * card_bytes
+    if engine and engine < 1.5 * p["engine_weights"]:
+        return False
+    return max(p["peak"], p["phases"]["rollout"] + engine) <= usable
+
+
+def fits(p: dict) -> tuple[list[int], list[int]]:
+    """The common card sizes (GB) that hold the plan p, and those that do not."""
+    hold = [size for size in GPU_SIZES_GB if holds(p, size * GB)]
+    return hold, [size for size in GPU_SIZES_GB if size not in hold]
 
 
 def report(model: str, options: dict) -> str:
@@ -199,14 +217,19 @@ def report(model: str, options: dict) -> str:
     ]
     lines += [f"  {name:32s} {size / GB:8.2f} GB" for name, size in p["items"].items() if size]
     lines += [f"  peak in {name:24s} {size / GB:8.2f} GB" for name, size in p["phases"].items()]
+    if p["engine_share"]:
+        lines.append(
+            f"  vLLM engine while sampling: {p['engine_share']:.0%} of the card, its bf16 weights "
+            f"{p['engine_weights'] / GB:.2f} GB and KV cache within it; asleep in the update"
+        )
     d = p["disk"]
     lines.append(
         f"disk: {d['checkpoint'] / GB:.1f} GB a checkpoint (the newest, with AdamW's "
         f"moments; older ones keep only weights), {d['run'] / GB:.1f} GB a run "
         f"({d['kept']} checkpoints and final-model)"
     )
-    holds, not_holds = fits(p["peak"])
-    lines.append(f"fits: {sizes(holds)}; does not fit: {sizes(not_holds)}")
+    hold, not_hold = fits(p)
+    lines.append(f"fits: {sizes(hold)}; does not fit: {sizes(not_hold)}")
     return "\n".join(lines)
 
 
@@ -214,16 +237,17 @@ def sizes(gigabytes: list[int]) -> str:
     return f"{', '.join(map(str, gigabytes))} GB" if gigabytes else "none of them"
 
 
-def check_fit(model: str, options: dict, free_bytes: int) -> None:
-    """Stop before loading when the plan's peak exceeds the GPU's free memory: one line naming the
-    largest items and the options that shrink them."""
+def check_fit(model: str, options: dict, free_bytes: int, total_bytes: int) -> None:
+    """Stop before loading when the plan does not fit the GPU's free memory (its total sizes the
+    vLLM engine's share): one line naming the largest items and the options that shrink them."""
     p = plan(model, options)
-    if p["peak"] <= free_bytes:
+    if holds(p, total_bytes, free_bytes):
         return
+    need = max(p["peak"], p["phases"]["rollout"] + p["engine_share"] * total_bytes)
     largest = sorted(p["items"].items(), key=lambda item: -item[1])[:3]
     named = ", ".join(f"{name} {size / GB:.1f} GB" for name, size in largest)
     raise SystemExit(
-        f"error: this run needs about {p['peak'] / GB:.1f} GB and the GPU has "
+        f"error: this run needs about {need / GB:.1f} GB and the GPU has "
         f"{free_bytes / GB:.1f} GB free (largest: {named}); try --rollout-chunk (fewer prompts "
         f"sampled at once), --max-completion-length, --groups-per-micro-batch 1, --beta 0, or "
         f"--preset qwen0.5b-24gb; "

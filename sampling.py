@@ -8,12 +8,25 @@ uses; this loop applies nothing else.
 """
 
 import inspect
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
 from loading import eos_token_ids
+
+
+class Completions(NamedTuple):
+    """n completions of each prompt as one batch, consecutive rows sharing a prompt."""
+
+    prompt_ids: torch.Tensor  # (N, P) left-padded
+    prompt_mask: torch.Tensor  # (N, P)
+    completion_ids: torch.Tensor  # (N, T) right-padded
+    completion_mask: torch.Tensor  # (N, T) float, 1 up to and including the first EOS
+    truncated: torch.Tensor  # (N,) bool, no EOS within the limit
+    texts: list
+    sampler_logp: torch.Tensor  # (N, T) each token's log-prob under the distribution it came from
 
 
 @torch.no_grad()
@@ -29,8 +42,7 @@ def generate_completions(
     max_total: int | None,
     chunk: int = 0,
 ):
-    """n completions of each prompt, the prompts left-padded into one batch: the prompt ids and
-    mask, the completion ids, mask and truncation flags, and the decoded texts. With max_total,
+    """n completions of each prompt, the prompts left-padded into one batch. With max_total,
     each prompt + completion holds at most max_total tokens (as vLLM's max model length). With
     chunk, `chunk` prompts are sampled at a time, which bounds the KV cache; the results are
     padded into one batch as if sampled together."""
@@ -65,19 +77,27 @@ def generate_completions(
         if max_total is None
         else max_total - prompt_mask.sum(1)
     )
-    eos = eos_token_ids(model, tokenizer)
-    completion_ids = sample_tokens(
+    eos = eos_token_ids(model.generation_config, tokenizer)
+    completion_ids, sampler_logp = sample_tokens(
         model, prompt_ids, prompt_mask, int(limits.max()), temperature, top_p, top_k, eos, pad
     )
     completion_mask, truncated = completion_mask_after_eos(completion_ids, eos, limits)
-    lengths = completion_mask.sum(1).long().tolist()
-    texts = tokenizer.batch_decode(
-        [ids[:k] for ids, k in zip(completion_ids, lengths)], skip_special_tokens=True
+    texts = decoded(tokenizer, completion_ids, completion_mask)
+    sampler_logp = sampler_logp * completion_mask
+    return Completions(
+        prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts, sampler_logp
     )
-    return prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts
 
 
-def joined(parts: list[tuple], pad: int) -> tuple:
+def decoded(tokenizer, completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> list[str]:
+    """Each completion's text, up to and including its first EOS (special tokens skipped)."""
+    lengths = completion_mask.sum(1).long().tolist()
+    return tokenizer.batch_decode(
+        [ids[:k] for ids, k in zip(completion_ids.tolist(), lengths)], skip_special_tokens=True
+    )
+
+
+def joined(parts: list[Completions], pad: int) -> Completions:
     """generate_completions' results for consecutive chunks of prompts, as one batch: prompts
     left-padded and completions right-padded to the widest."""
     prompt_width = max(part[0].shape[1] for part in parts)
@@ -87,14 +107,15 @@ def joined(parts: list[tuple], pad: int) -> tuple:
         sides = [(width - t.shape[1], 0) if left else (0, width - t.shape[1]) for t in tensors]
         return torch.cat([F.pad(t, side, value=value) for t, side in zip(tensors, sides)])
 
-    prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts = zip(*parts)
-    return (
+    prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts, logp = zip(*parts)
+    return Completions(
         padded(prompt_ids, prompt_width, pad, left=True),
         padded(prompt_mask, prompt_width, 0, left=True),
         padded(completion_ids, completion_width, pad, left=False),
         padded(completion_mask, completion_width, 0, left=False),
         torch.cat(truncated),
         [text for part in texts for text in part],
+        padded(logp, completion_width, 0, left=False),
     )
 
 
@@ -150,15 +171,17 @@ def sample_tokens(
     eos: list[int],
     pad: int,
     cache: DynamicCache | None = None,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Autoregressive sampling with a KV cache: softmax(logits / temperature), cut to the top-k
     tokens and the top-p nucleus only where set. Nothing else shapes the distribution, so the
     tokens come from the one whose log-probs the loss uses (generate() would add whatever the
-    model's generation_config.json ships, such as a repetition penalty). Rows stop at EOS."""
+    model's generation_config.json ships, such as a repetition penalty). Rows stop at EOS.
+    Returns the (B, T) tokens and their log-probs under the distribution they were drawn from
+    (after the cut, renormalised), 0 after a row's EOS."""
     attention = prompt_mask.clone()
     positions = (attention.cumsum(1) - 1).clamp(min=0)  # left padding: count real tokens only
     cache = KVCache(cache_dtype(model)) if cache is None else cache  # a caller's: to inspect it
-    input_ids, tokens = prompt_ids, []
+    input_ids, tokens, logps = prompt_ids, [], []
     finished = torch.zeros(len(prompt_ids), dtype=torch.bool, device=prompt_ids.device)
     eos = torch.tensor(eos, device=prompt_ids.device)
     cache_argument = {cache_keyword(model): cache}
@@ -181,13 +204,15 @@ def sample_tokens(
         cdf = probs.cumsum(-1)  # inverse-CDF draw: much cheaper than torch.multinomial on CPU
         token = torch.searchsorted(cdf, torch.rand_like(cdf[:, :1]) * cdf[:, -1:]).squeeze(1)
         token = token.clamp(max=probs.shape[-1] - 1).masked_fill(finished, pad)
+        drawn = probs.gather(1, token[:, None]).squeeze(1) / cdf[:, -1]
         tokens.append(token)
+        logps.append(drawn.log().masked_fill(finished, 0))
         finished |= torch.isin(token, eos)
         if finished.all():
             break
         input_ids, positions = token[:, None], positions[:, -1:] + 1
         attention = torch.cat([attention, torch.ones_like(attention[:, :1])], 1)
-    return torch.stack(tokens, 1)
+    return torch.stack(tokens, 1), torch.stack(logps, 1)
 
 
 def completion_mask_after_eos(completion_ids: torch.Tensor, eos: list[int], limits: torch.Tensor):

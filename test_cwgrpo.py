@@ -7,6 +7,7 @@ Run: python -m pytest -q test_cwgrpo.py   (CPU, no network)
 import contextlib
 import copy
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -29,15 +30,20 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import ablate  # noqa: E402
 import cwgrpo  # noqa: E402
 import diagnose  # noqa: E402
+import evaluate  # noqa: E402
 import loading  # noqa: E402
 import memory_plan  # noqa: E402
 import plots  # noqa: E402
 import runtime  # noqa: E402
 import sampling  # noqa: E402
 import tiny  # noqa: E402
+import vllm_engine  # noqa: E402
 from cwgrpo import Grader, cw_weights, format_reward, grade_accuracy, group_advantages  # noqa: E402
 
 HERE = Path(__file__).parent
+# CWGRPO_TEST_ROLLOUT=vllm runs the whole-run tests (kill anywhere, degenerate batches, bad input)
+# with --rollout vllm, in a venv with vLLM (.ci/run; README "Fast rollouts with vLLM")
+ROLLOUT = os.environ.get("CWGRPO_TEST_ROLLOUT", "hf")
 
 
 @pytest.fixture(autouse=True)
@@ -473,6 +479,8 @@ def tiny_args(tiny_base):
         str(tiny_base / "model"),
         "--dataset",
         str(tiny_base / "arithmetic.jsonl"),
+        "--rollout",
+        ROLLOUT,
     ]
 
 
@@ -853,8 +861,6 @@ METHOD_FOOTPRINT = {  # what each method must have done to a batch's tokens, fro
 
 # -------------------------------------------------------------------------------------- evaluate.py
 
-import evaluate  # noqa: E402
-
 
 @pytest.mark.parametrize(
     "n,c,k,expected",
@@ -1113,7 +1119,7 @@ def scored_rollout(tiny_run, tiny_base):
     model = loading.load_model(str(tiny_run / "final-model"), torch.float32, torch.device("cpu"))
     reference = loading.load_model(str(tiny_base / "model"), torch.float32, torch.device("cpu"))
     torch.manual_seed(0)
-    prompts = cwgrpo.PromptStream(tiny.arithmetic_dataset(0), tokenizer, cfg)
+    prompts = loading.PromptStream(tiny.arithmetic_dataset(0), tokenizer, cfg)
     rollout = cwgrpo.sample(model, tokenizer, prompts.next_batch(4), cfg)
     grades = Grader().map([(t, g, "default") for t, g in zip(rollout.texts, rollout.golds)])
     cwgrpo.rollout_rewards(rollout, grades, cfg)
@@ -1264,6 +1270,7 @@ def test_every_method_gives_a_finite_loss_and_gradient_with_a_group_of_no_valid_
         completion_mask=mask,
         truncated=torch.zeros(2 * G, dtype=torch.bool),
         texts=[""] * 2 * G,
+        sampler_logp=logp.detach() * mask,
         golds=[""] * 2 * G,
         advantages=torch.tensor([1.0, -1.0, 0.5, -0.5] * 2),
         divergence=torch.rand(2 * G, T) * mask,
@@ -1294,7 +1301,8 @@ def test_sampling_ignores_the_generation_config_the_model_ships(tiny_base):
 
     def completions():
         torch.manual_seed(0)
-        return sampling.generate_completions(model, tokenizer, prompts, 4, 1.0, 1.0, 0, 12, None)[2]
+        out = sampling.generate_completions(model, tokenizer, prompts, 4, 1.0, 1.0, 0, 12, None)
+        return out.completion_ids
 
     plain = completions()
     shipped = model.generation_config
@@ -1311,9 +1319,10 @@ def test_total_length_limit_caps_prompt_plus_completion(tiny_base):
     tokenizer = loading.load_tokenizer(str(tiny_base / "model"))
     prompts = [loading.chat_prompt_ids(tokenizer, q, "") for q in ("1+2", "1+2" * 4)]
     torch.manual_seed(0)
-    _, prompt_mask, _, mask, truncated, texts = sampling.generate_completions(
+    out = sampling.generate_completions(
         model, tokenizer, prompts, 3, 1.0, 1.0, 0, 40, len(prompts[1]) + 6
     )
+    prompt_mask, mask, truncated = out.prompt_mask, out.completion_mask, out.truncated
     totals = prompt_mask.sum(1) + mask.sum(1)
     assert (totals <= len(prompts[1]) + 6).all()
     assert truncated[3:].all() and (mask[3:].sum(1) == 6).all()  # the long prompt: 6 tokens left
@@ -1621,9 +1630,8 @@ def test_sampling_loop_with_a_kv_cache_matches_greedy_generate(tiny_base, top_p,
     model = loading.load_model(str(tiny_base / "model"), torch.float32, torch.device("cpu")).eval()
     tokenizer = loading.load_tokenizer(str(tiny_base / "model"))
     prompts = [loading.chat_prompt_ids(tokenizer, q, "") for q in ("1+2", "12+30", "5+5")]
-    prompt_ids, prompt_mask, ids, mask, _, _ = sampling.generate_completions(
-        model, tokenizer, prompts, 2, 0.7, top_p, top_k, 16, None
-    )
+    out = sampling.generate_completions(model, tokenizer, prompts, 2, 0.7, top_p, top_k, 16, None)
+    prompt_ids, prompt_mask, ids, mask = out[:4]
     reference = model.generate(
         input_ids=prompt_ids,
         attention_mask=prompt_mask,
@@ -1657,7 +1665,7 @@ def test_sampled_tokens_follow_the_configured_distribution(tiny_base, temperatur
         kept[order[before < top_p]] = True
     expected = probs * kept / (probs * kept).sum()
     torch.manual_seed(0)
-    drawn = sampling.sample_tokens(
+    drawn, sampler_logp = sampling.sample_tokens(
         model,
         prompt.repeat(8000, 1),
         torch.ones(8000, prompt.shape[1]),
@@ -1667,7 +1675,10 @@ def test_sampled_tokens_follow_the_configured_distribution(tiny_base, temperatur
         top_k,
         [tokenizer.eos_token_id],
         tokenizer.pad_token_id,
-    )[:, 0]
+    )
+    drawn, sampler_logp = drawn[:, 0], sampler_logp[:, 0]
+    # each draw's log-prob is that of the distribution it came from, after the cut
+    torch.testing.assert_close(sampler_logp, expected[drawn].log(), rtol=1e-5, atol=1e-5)
     frequency = torch.bincount(drawn, minlength=len(probs)).float() / 8000
     assert (frequency[~kept] == 0).all()
     assert (frequency - expected).abs().max() < 0.02
@@ -1790,8 +1801,9 @@ def test_gold_is_parsed_with_first_match_as_the_released_reward():
 # the resumed run must finish with one record per step, equal bit for bit to an uninterrupted run
 # (all keys but timings), and no grading worker may outlive the kill.
 FAULT_STEPS = ["--steps", "6", "--save-every", "2", "--threads", "1", "--reward-workers", "1"]
+SAMPLER = "sampling:sample_tokens" if ROLLOUT == "hf" else "vllm_engine:Engine.generate"
 KILL_POINTS = {  # CWGRPO_FAULT -> where the run dies
-    "sampling:sample_tokens:3": "sampling step 3",
+    f"{SAMPLER}:3": "sampling step 3",
     "cwgrpo:Grader.submit:3:after": "grading step 3, workers busy",
     "cwgrpo:policy_token_stats:4": "step 3's reference pass (calls: ref 1, page 1, ref 2, ref 3)",
     "cwgrpo:accumulate_gradients:3:after": "step 3's update, after backward, before the step",
@@ -1806,6 +1818,15 @@ KILL_POINTS = {  # CWGRPO_FAULT -> where the run dies
     "plots:token_page:2": "drawing checkpoint-4's token page",
     "runtime:save_checkpoint:4": "after every step, before final-model is written",
 }
+# With --rollout vllm (CI's vLLM venv, whose share of CI's time is bounded) every kill point around
+# sampling and updating, and a checkpoint's ends; the saving points in between are the sampler's
+# business no more than the HF loop's
+if ROLLOUT == "vllm":
+    KILL_POINTS = {
+        fault: where
+        for fault, where in KILL_POINTS.items()
+        if not fault.startswith(("transformers:", "torch:save:3", "runtime:prune", "plots:token"))
+    }
 
 
 def fault_run(args, fault=None, marker="", timeout=300):
@@ -2016,7 +2037,9 @@ def test_every_method_trains_on_a_degenerate_batch_with_the_pictures_on(
     }[case]
     if case == "one-valid-token":
         monkeypatch.setattr(cwgrpo, "sample", single_valid_token(cwgrpo.sample))
-    for method in cwgrpo.METHODS:
+    # with --rollout vllm a method of each kind: one pass, lopti's two, ict's divergence, cw
+    methods = cwgrpo.METHODS if ROLLOUT == "hf" else ("grpo", "cw", "lopti", "ict")
+    for method in methods:
         out = tmp_path / method
         cwgrpo.main([*tiny_args, *small, *extra, "--method", method, "--output-dir", str(out)])
         records = read_metrics(out / "metrics.jsonl")
@@ -2429,6 +2452,7 @@ def test_activations_saved_for_backward_are_the_plans(plan_model, checkpointing)
         torch.ones(rows, new),
         torch.zeros(rows, dtype=torch.bool),
         [""] * rows,
+        torch.zeros(rows, new),
         [""] * rows,
     )
     storages, parameters = {}, {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -2542,12 +2566,12 @@ def test_paper_presets_plan_with_margin():
 def test_a_run_that_cannot_fit_stops_in_one_line_naming_the_largest_items():
     cfg = cwgrpo.parse_config(["--preset", "paper-1.5b"])
     with pytest.raises(SystemExit) as error:
-        memory_plan.check_fit(cfg.model, dataclasses.asdict(cfg), free_bytes=40 * 10**9)
+        memory_plan.check_fit(cfg.model, dataclasses.asdict(cfg), 40 * 10**9, 40 * 10**9)
     message = str(error.value)
     assert "\n" not in message
     assert message.startswith("error: this run needs about 58.1 GB and the GPU has 40.0 GB free ")
     assert "(largest: KV cache 16.9 GB, AdamW moments (fp32) 14.2 GB, activations" in message
-    memory_plan.check_fit(cfg.model, dataclasses.asdict(cfg), free_bytes=80 * 10**9)  # fits: silent
+    memory_plan.check_fit(cfg.model, dataclasses.asdict(cfg), 80 * 10**9, 80 * 10**9)  # silent
 
 
 @pytest.mark.slow
@@ -2613,6 +2637,7 @@ def test_log_probs_without_a_mask_equal_those_with_one_where_no_row_is_left_padd
         torch.tensor([[1.0] * 7, [1.0] * 4 + [0.0] * 3, [1.0] * 2 + [0.0] * 5]),
         torch.zeros(3, dtype=torch.bool),
         [""] * 3,
+        torch.zeros(3, 7),
         [""] * 3,
     )
     with torch.no_grad():
@@ -2667,3 +2692,121 @@ def test_a_cuda_run_that_cannot_fit_stops_before_loading(monkeypatch, tmp_path):
         cwgrpo.main(["--preset", "paper-1.5b", "--output-dir", str(tmp_path / "run")])
     assert str(error.value).startswith("error: this run needs about 58.1 GB and the GPU has 40.0")
     assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------ the sampler-trainer mismatch
+def correction_cfg(mode, cap=3.0, low=0.0):
+    return method_cfg(
+        "--sampler-correction", mode, "--sampler-correction-cap", str(cap),
+        "--sampler-correction-min", str(low),
+    )  # fmt: skip
+
+
+# l - s per token on two rows; the second row's last token is padding (its difference ignored)
+L_MINUS_S = torch.tensor([[math.log(4.0), math.log(0.5), 0.0], [math.log(2.0), 0.0, 9.0]])
+CORRECTION_MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+
+
+@pytest.mark.parametrize(
+    "mode,expected",
+    [
+        ("none", 1.0),
+        ("token_truncate", [[3.0, 0.5, 1.0], [2.0, 1.0, 1.0]]),  # min(rho, 3); padding: exp(0)
+        ("token_mask", [[0.0, 0.5, 1.0], [2.0, 1.0, 1.0]]),  # rho, 0 above 3
+        ("sequence_truncate", [[2.0], [2.0]]),  # rho of a row: 4 x 0.5 x 1 = 2 and 2 x 1 = 2
+        ("sequence_mask", [[2.0], [2.0]]),
+    ],
+)
+def test_sampler_correction_hand_computed(mode, expected):
+    old, sampler = L_MINUS_S - 1.0, torch.full_like(L_MINUS_S, -1.0)
+    rho = cwgrpo.sampler_correction(old, sampler, CORRECTION_MASK, correction_cfg(mode))
+    if mode == "none":
+        assert rho == 1.0
+    else:
+        torch.testing.assert_close(rho, torch.tensor(expected))
+
+
+def test_sequence_correction_masks_in_log_space_and_token_mask_has_a_floor():
+    """A 4,096-token completion whose per-token difference is 0.05 has a sequence ratio of
+    exp(204.8): inf in fp32, and inf x 0 is NaN. The mask modes must give 0, not NaN."""
+    old, sampler = torch.full((2, 4096), -1.0), torch.full((2, 4096), -1.05)
+    mask = torch.ones(2, 4096)
+    for mode in ("sequence_mask", "sequence_truncate"):
+        rho = cwgrpo.sampler_correction(old, sampler, mask, correction_cfg(mode))
+        assert torch.isfinite(rho).all()
+        assert (rho == (0.0 if mode == "sequence_mask" else 3.0)).all()
+    floor = cwgrpo.sampler_correction(
+        L_MINUS_S - 1, torch.full_like(L_MINUS_S, -1.0), CORRECTION_MASK,
+        correction_cfg("token_mask", low=0.75),
+    )  # fmt: skip
+    torch.testing.assert_close(floor, torch.tensor([[0.0, 0.0, 1.0], [2.0, 1.0, 1.0]]))
+
+
+def test_the_correction_weights_only_the_policy_gradient_term():
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    old, ref, adv = logp.detach(), logp.detach() - 0.5, torch.tensor([1.0])
+    terms = cwgrpo.TokenTerms(torch.ones(1, 2))
+    cfg = method_cfg("--beta", "0.1")
+    rho = torch.tensor([[0.5, 2.0]])
+    plain = cwgrpo.token_loss(logp, old, ref, adv, terms, cfg)
+    weighted = cwgrpo.token_loss(logp, old, ref, adv, terms, cfg, rho)
+    kl = 0.1 * cwgrpo.k3(logp, ref)
+    torch.testing.assert_close(weighted - kl, (plain - kl) * rho)  # pg = -1 x adv x ratio 1
+
+
+@pytest.mark.slow
+def test_the_logged_mismatch_is_the_sampler_against_the_trainer(tiny_base):
+    """The logged figures are the valid tokens' |l - s| and exp(l - s), l the trainer's log-prob
+    in the update and s the sampler's: with the sampler's shifted by 0.1 on every token, exactly
+    0.1 and exp(0.1); with the real sampler (sampling.py, fp32 on the CPU), below 1e-5."""
+    cfg = cwgrpo.parse_config(["--preset", "tiny", "--prompts-per-step", "2", "--beta", "0"])
+    model = loading.load_model(str(tiny_base / "model"), torch.float32, "cpu")
+    tokenizer = loading.load_tokenizer(str(tiny_base / "model"))
+    prompts = loading.PromptStream(tiny.arithmetic_dataset(0), tokenizer, cfg)
+    torch.manual_seed(0)
+    rollout = cwgrpo.sample(model, tokenizer, prompts.next_batch(2), cfg)
+    grades = [cwgrpo.Grade(float(i % 2), True, False) for i in range(len(rollout.texts))]
+    cwgrpo.rollout_rewards(rollout, grades, cfg)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    autocast = runtime.bf16_autocast(torch.device("cpu"))
+    real = cwgrpo.update(model, optimizer, scheduler, rollout, cfg, autocast)
+    assert real["sampler_logp_diff_max"] < 1e-5 and real["sampler_logp_diff_mean"] < 1e-6
+    assert abs(real["sampler_ratio_min"] - 1) < 1e-5 and abs(real["sampler_ratio_max"] - 1) < 1e-5
+    rollout.sampler_logp = (rollout.sampler_logp - 0.1) * rollout.completion_mask
+    shifted = cwgrpo.update(model, optimizer, scheduler, rollout, cfg, autocast)
+    assert shifted["sampler_logp_diff_mean"] == pytest.approx(0.1, abs=1e-5)
+    assert shifted["sampler_logp_diff_max"] == pytest.approx(0.1, abs=1e-5)
+    for stat in ("min", "mean", "max"):
+        assert shifted[f"sampler_ratio_{stat}"] == pytest.approx(math.exp(0.1), abs=1e-5)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
+def test_rollout_vllm_without_vllm_stops_at_parse_time_in_one_line(tmp_path):
+    started = time.time()
+    out = run_cli("--preset", "tiny", "--rollout", "vllm", "--output-dir", str(tmp_path / "r"))
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert (
+        out.stderr.strip()
+        == f"error: --rollout vllm needs vLLM, which is not installed: {vllm_engine.INSTALL}"
+    )
+    assert time.time() - started < 30 and not (tmp_path / "r").exists()
+    with pytest.raises(SystemExit, match="--engine vllm needs vLLM"):
+        evaluate.main(["--model", str(tmp_path), "--engine", "vllm"])
+
+
+def test_the_plan_with_vllm_counts_the_engine_share_per_card():
+    cfg = cwgrpo.parse_config(["--preset", "paper-1.5b", "--rollout", "vllm", "--plan"])
+    p = memory_plan.plan(cfg.model, dataclasses.asdict(cfg))
+    hf = memory_plan.plan(cfg.model, dataclasses.asdict(cwgrpo.parse_config([])))
+    assert p["items"]["KV cache"] == 0 and hf["items"]["KV cache"] > 0  # the engine's own
+    items = p["items"]
+    resident = items["weights (fp32)"] + items["AdamW moments (fp32)"] + items["reference"]
+    assert p["phases"]["rollout"] == resident  # no HF forward while the engine samples
+    assert p["phases"]["update"] == hf["phases"]["update"]  # the engine sleeps, holding nothing
+    assert memory_plan.fits(p) == ([80, 141], [24, 40, 48])
+    assert memory_plan.holds(p, 80e9)
+    assert not memory_plan.holds({**p, "engine_share": 0.01}, 80e9)  # 0.8 GB: not its weights
+    assert not memory_plan.holds({**p, "engine_share": 0.9}, 80e9)  # 72 GB beside the trainer's
+    report = memory_plan.report(cfg.model, dataclasses.asdict(cfg))
+    assert "vLLM engine while sampling: 30% of the card, its bf16 weights 3.55 GB" in report

@@ -11,7 +11,10 @@ two steps through cwgrpo's own sample() and update(). Random weights never emit 
 runs to the limit: the KV cache at its largest. It prints decode and update tokens/s, the peak
 memory (torch.cuda.max_memory_allocated) beside the plan's (memory_plan.py), the KV cache's dtype,
 the KL at step 0, and whether every logit after a left-padded prefill is finite, with cwgrpo's
-attention mask and with the plain one.
+attention mask and with the plain one. Where vLLM is installed, the same batch by --rollout vllm
+(vllm_engine.py): the engine's start, its decode tokens/s beside the loop's, the weight push, the
+GPU memory it frees asleep, the share of greedy tokens equal to the loop's, and the sampler-trainer
+mismatch (mean and max |l - s|), which the CPU tests check only in fp32.
 """
 
 import argparse
@@ -35,6 +38,7 @@ import memory_plan  # noqa: E402
 import runtime  # noqa: E402
 import sampling  # noqa: E402
 import tiny  # noqa: E402
+import vllm_engine  # noqa: E402
 
 PAPER_CONFIG = HERE.parent / "model_configs" / "deepseek-ai--DeepSeek-R1-Distill-Qwen-1.5B.json"
 TINY_CONFIG = dict(
@@ -42,8 +46,8 @@ TINY_CONFIG = dict(
     hidden_size=64,
     intermediate_size=192,
     num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
+    num_attention_heads=2,  # heads of 32, which vLLM's CPU attention takes
+    num_key_value_heads=1,
     tie_word_embeddings=False,
 )
 
@@ -77,6 +81,62 @@ def finite_after_left_padded_prefill(model, tokenizer, autocast) -> dict:
             logits = model(input_ids=ids, attention_mask=attention, position_ids=positions).logits
             out[name] = bool(torch.isfinite(logits).all())
     return out
+
+
+def vllm_check(model, tokenizer, cfg, batch, autocast, hf_decode: float) -> None:
+    """--rollout vllm on the same model and batch (see the module's docstring)."""
+    device = next(model.parameters()).device
+    with tempfile.TemporaryDirectory() as folder:  # the architecture; the weights are pushed
+        model.config.save_pretrained(folder)
+        gen = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+        (Path(folder) / "generation_config.json").write_text(json.dumps(gen))
+        tokenizer.save_pretrained(folder)
+        rows, length = (
+            len(batch) * cfg.group_size,
+            cfg.max_prompt_length + cfg.max_completion_length,
+        )
+        start = time.perf_counter()
+        share = cfg.vllm_gpu_memory_utilization
+        engine = vllm_engine.Engine(folder, length, rows, device, share, cfg.seed)
+        started = time.perf_counter() - start
+    start = time.perf_counter()
+    engine.push_weights(model)
+    pushed = time.perf_counter() - start
+    if engine.sleeps:
+        engine.llm.sleep(level=2)
+    with autocast():
+        cwgrpo.sample(model, tokenizer, batch[:1], cfg, engine)  # warm-up: its first call compiles
+        start = time.perf_counter()
+        rollout = cwgrpo.sample(model, tokenizer, batch, cfg, engine)
+        decode_s = time.perf_counter() - start
+        logp = cwgrpo.policy_token_stats(model, rollout, cfg)["logp"]
+    valid = rollout.completion_mask.bool()
+    diff = (logp - rollout.sampler_logp)[valid].abs()
+    generated = int(valid.sum())
+    print(
+        f"vllm: started in {started:.1f} s; decode {generated / decode_s:,.0f} tokens/s "
+        f"({decode_s:.1f} s, the loop's {hf_decode:,.0f} tokens/s), weight push {pushed:.2f} s; "
+        f"|trainer - sampler log-prob| mean {diff.mean():.2e}, max {diff.max():.2e}"
+    )
+    prompts = [ids for ids, _ in batch[:4]]
+    with autocast():
+        torch.manual_seed(0)
+        hf = sampling.generate_completions(model, tokenizer, prompts, 1, 1.0, 1.0, 1, 32, None)
+        ours = engine.generate(model, tokenizer, prompts, 1, 1.0, 1.0, 1, 32, None)
+    width = min(hf.completion_ids.shape[1], ours.completion_ids.shape[1])
+    same = (hf.completion_ids[:, :width] == ours.completion_ids[:, :width]).float().mean()
+    print(
+        f"vllm: greedy tokens equal to the loop's: {same:.1%} of {4 * width} (a random model's "
+        f"near-ties and, on CUDA, bf16 kernels tell them apart)"
+    )
+    if engine.sleeps:
+        asleep = torch.cuda.mem_get_info()[0]
+        engine.llm.wake_up()
+        awake = torch.cuda.mem_get_info()[0]
+        engine.llm.sleep(level=2)
+        print(f"vllm: asleep it frees {(asleep - awake) / 1e9:.1f} GB (its share: {share:.0%})")
+    else:
+        print("vllm: no sleep mode off CUDA")
 
 
 def main() -> None:
@@ -127,6 +187,7 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    decode_speeds = []
     for step in range(args.steps):
         start = time.perf_counter()
         with autocast():
@@ -135,6 +196,7 @@ def main() -> None:
             )
             generated = int(rollout.completion_mask.sum())
             decode_s = time.perf_counter() - start
+            decode_speeds.append(generated / decode_s)
             rollout.ref_logp = cwgrpo.policy_token_stats(reference, rollout, cfg)["logp"]
         rewards = torch.rand(len(rollout.texts), generator=torch.Generator().manual_seed(step))
         rollout.advantages = cwgrpo.group_advantages(rewards, cfg.group_size).to(device)
@@ -165,9 +227,10 @@ def main() -> None:
     else:
         print(f"peak memory: not measured on the CPU; planned {planned['peak'] / 1e9:.3f} GB")
     if importlib.util.find_spec("vllm") is None:
-        print("vllm: not installed")
+        print(f"vllm: not installed ({vllm_engine.INSTALL})")
     else:
-        print("vllm: installed; cwgrpo has no --rollout vllm yet, so nothing to check")
+        batch = prompts(cfg.prompts_per_step, longest, 256, 0)
+        vllm_check(model, tokenizer, cfg, batch, autocast, decode_speeds[-1])
 
 
 if __name__ == "__main__":

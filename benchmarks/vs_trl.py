@@ -3,6 +3,7 @@ batch.
 
     pip install trl==1.16.0    # not a project requirement; TRL 1.16 was measured
     python benchmarks/vs_trl.py --steps 30 --rounds 2 --betas 0,0.04
+    python benchmarks/vs_trl.py --rollouts hf,vllm    # also cwgrpo --rollout vllm (vLLM installed)
 
 Both start from the same warm-started tiny Qwen2 (the tiny preset's base model), train GRPO on the
 tiny arithmetic task with the same reward (cwgrpo's math-verify accuracy + format), prompts x G
@@ -11,6 +12,7 @@ batch, at each beta (0: no reference model; 0.04, the paper's: a reference model
 both sides). Runs alternate (cwgrpo, TRL, cwgrpo, TRL, ...), each in its own process with the same
 threads. Speed counts steps 2 to N from per-step timestamps (set-up and the first step left out, for
 both); the script prints steps/s of each, the ratio, and each process's peak resident memory.
+With --rollouts hf,vllm, cwgrpo runs with each of its samplers in turn (TRL with its own, generate).
 """
 
 import argparse
@@ -65,6 +67,8 @@ def run_cwgrpo(args, base_model: Path, out: Path) -> list[float]:
             str(s["prompts_per_step"]),
             "--output-dir",
             str(out / "cwgrpo"),
+            "--rollout",
+            args.rollout,
         ]
     )
     cwgrpo.train(cfg)
@@ -154,7 +158,11 @@ def main() -> None:
     parser.add_argument(
         "--betas", default="0,0.04", help="KL coefficients to measure, each in turn"
     )
+    parser.add_argument(
+        "--rollouts", default="hf", help="cwgrpo's samplers to measure: hf, vllm or hf,vllm"
+    )
     parser.add_argument("--beta", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument("--rollout", default="hf", help=argparse.SUPPRESS)
     parser.add_argument("--trainer", choices=["cwgrpo", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--base-model", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -185,10 +193,12 @@ def main() -> None:
             f"transformers {version('transformers')}, torch {version('torch')}"
         )
         ratios = {}
+        ours = [f"cwgrpo-{rollout}" for rollout in args.rollouts.split(",")]
         for beta in map(float, args.betas.split(",")):
-            results = {"cwgrpo": [], "trl": []}
+            results = {name: [] for name in [*ours, "trl"]}
             for round_index in range(args.rounds):
-                for trainer in ("cwgrpo", "trl"):
+                for name in results:
+                    trainer, _, rollout = name.partition("-")
                     done = subprocess.run(
                         [
                             sys.executable,
@@ -207,17 +217,19 @@ def main() -> None:
                             str(args.trl_reward_workers),
                             "--beta",
                             str(beta),
+                            "--rollout",
+                            rollout or "hf",
                         ],
                         capture_output=True,
                         text=True,
                         env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
                     )
                     if done.returncode:
-                        sys.exit(f"{trainer} failed:\n{done.stderr[-3000:]}")
+                        sys.exit(f"{name} failed:\n{done.stderr[-3000:]}")
                     result = json.loads(done.stdout.strip().splitlines()[-1])
-                    results[trainer].append(result)
+                    results[name].append(result)
                     print(
-                        f"beta {beta:g} round {round_index + 1} {trainer:6s}: "
+                        f"beta {beta:g} round {round_index + 1} {name:11s}: "
                         f"{result['steps'] / result['seconds']:.3f} steps/s "
                         f"({result['seconds']:.1f} s), "
                         f"peak RSS {result['peak_rss_mib']:.0f} MiB"
@@ -226,16 +238,17 @@ def main() -> None:
                 k: sum(r["steps"] for r in v) / sum(r["seconds"] for r in v)
                 for k, v in results.items()
             }
-            ratios[beta] = [
-                c["steps"] / c["seconds"] / (t["steps"] / t["seconds"])
-                for c, t in zip(results["cwgrpo"], results["trl"])
-            ]
-            print(
-                f"beta {beta:g}: cwgrpo {speed['cwgrpo']:.3f} steps/s, "
-                f"TRL {speed['trl']:.3f} steps/s: "
-                f"cwgrpo / TRL = {speed['cwgrpo'] / speed['trl']:.2f} (per round: "
-                f"{', '.join(f'{r:.2f}' for r in ratios[beta])}; goal >= 1.5)"
-            )
+            for name in ours:
+                ratios[beta, name] = [
+                    c["steps"] / c["seconds"] / (t["steps"] / t["seconds"])
+                    for c, t in zip(results[name], results["trl"])
+                ]
+                print(
+                    f"beta {beta:g}: {name} {speed[name]:.3f} steps/s, "
+                    f"TRL {speed['trl']:.3f} steps/s: "
+                    f"{name} / TRL = {speed[name] / speed['trl']:.2f} (per round: "
+                    f"{', '.join(f'{r:.2f}' for r in ratios[beta, name])}; goal >= 1.5)"
+                )
 
 
 def version(package: str) -> str:

