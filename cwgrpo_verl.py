@@ -110,6 +110,8 @@ def make_policy_loss(method_name: str, overrides: dict):
             loss_agg_mode=loss_agg_mode,
             **getattr(config, "global_batch_info", {}),
         )
+        # the sampler's log-probs are verl's business (it weights and logs its own rollout
+        # correction, rollout_is_weights): old_log_prob stands in, and no mismatch is reported
         token = cwgrpo.token_metrics(
             log_prob.detach(),
             old_log_prob,
@@ -117,6 +119,7 @@ def make_policy_loss(method_name: str, overrides: dict):
             torch.zeros_like(log_prob),
             per_response,
             mask,
+            old_log_prob,
             terms,
             cfg,
         )
