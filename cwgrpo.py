@@ -900,8 +900,8 @@ def run(cfg: Config, device, dataset, resume_from, grader: Grader, on_rollout, s
         loading.enable_checkpointing(model)
     engine = None  # the engine samples from the weights pushed at each rollout: never stale ones
     if cfg.rollout == "vllm":
-        length = cfg.max_completion_length + cfg.max_prompt_length * (cfg.length_limit == "new")
-        rows, share = cfg.prompts_per_step * cfg.group_size, cfg.vllm_gpu_memory_utilization
+        rows, _, _, length = memory_plan.rows_and_positions(config)  # the batch, as the plan's
+        share = cfg.vllm_gpu_memory_utilization
         engine = vllm_engine.Engine(cfg.model, length, rows, device, share, cfg.seed)
     method = METHODS[cfg.method]
     if cfg.method == "kl_cov" and cfg.num_iterations == 1:

@@ -454,8 +454,7 @@ def main(argv=None) -> None:
         raise SystemExit("error: --device cuda but no CUDA GPU was found; use --device cpu")
     if cfg.engine == "vllm":
         vllm_engine.check_installed("--engine vllm")
-    if not 0 < cfg.vllm_gpu_memory_utilization <= 1:
-        raise SystemExit("error: --vllm-gpu-memory-utilization must be in (0, 1]")
+    runtime.check_rules(cfg, [("in (0, 1]", "vllm_gpu_memory_utilization")])
     cwgrpo.transformers.utils.logging.disable_progress_bar()
     source = cfg.model or cfg.checkpoints
     output_dir = Path(cfg.output_dir or default_output_dir(source))

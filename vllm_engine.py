@@ -19,9 +19,9 @@ import importlib.util
 import os
 
 import torch
-import transformers
 
 from loading import eos_token_ids, generation_config
+from memory_plan import Architecture, read_config
 from sampling import Completions, completion_mask_after_eos, decoded, joined
 
 INSTALL = (
@@ -73,7 +73,8 @@ class Engine:
             options |= dict(dtype="bfloat16", gpu_memory_utilization=gpu_memory_utilization)
             options |= dict(enable_sleep_mode=self.sleeps)
         else:  # fp32 as the trainer on a CPU; eager: no compilation at start
-            kv_bytes = rows * max_model_len * kv_bytes_per_token(model_path, 4)
+            arch = Architecture.from_config(read_config(model_path))
+            kv_bytes = rows * max_model_len * arch.layers * 2 * arch.kv_width * 4  # fp32 K and V
             options |= dict(dtype="float32", enforce_eager=True)
             options |= dict(kv_cache_memory_bytes=max(2 * kv_bytes, 64 << 20))
         cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
@@ -165,10 +166,3 @@ def completions(prompt: list[int], output, limit: int, eos: list[int], tokenizer
     prompt_ids = torch.tensor([prompt] * len(rows))
     texts = decoded(tokenizer, ids, mask)
     return Completions(prompt_ids, torch.ones_like(prompt_ids), ids, mask, truncated, texts, logp)
-
-
-def kv_bytes_per_token(model_path: str, dtype_bytes: int) -> int:
-    """Keys and values of one token across all layers."""
-    config = transformers.AutoConfig.from_pretrained(model_path)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype_bytes

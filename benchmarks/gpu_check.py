@@ -91,10 +91,7 @@ def vllm_check(model, tokenizer, cfg, batch, autocast, hf_decode: float) -> None
         gen = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
         (Path(folder) / "generation_config.json").write_text(json.dumps(gen))
         tokenizer.save_pretrained(folder)
-        rows, length = (
-            len(batch) * cfg.group_size,
-            cfg.max_prompt_length + cfg.max_completion_length,
-        )
+        rows, _, _, length = memory_plan.rows_and_positions(dataclasses.asdict(cfg))
         start = time.perf_counter()
         share = cfg.vllm_gpu_memory_utilization
         engine = vllm_engine.Engine(folder, length, rows, device, share, cfg.seed)
