@@ -898,11 +898,7 @@ def run(cfg: Config, device, dataset, resume_from, grader: Grader, on_rollout, s
     reference = loading.load_reference(cfg.model, device) if cfg.beta > 0 else None
     if cfg.gradient_checkpointing:
         loading.enable_checkpointing(model)
-    engine = None  # the engine samples from the weights pushed at each rollout: never stale ones
-    if cfg.rollout == "vllm":
-        rows, _, _, length = memory_plan.rows_and_positions(config)  # the batch, as the plan's
-        share = cfg.vllm_gpu_memory_utilization
-        engine = vllm_engine.Engine(cfg.model, length, rows, device, share, cfg.seed)
+    engine = vllm_engine.for_run(config, device) if cfg.rollout == "vllm" else None
     method = METHODS[cfg.method]
     if cfg.method == "kl_cov" and cfg.num_iterations == 1:
         note = "note: kl_cov's |logp - old_logp| is 0 with one update per batch: it trains as GRPO"

@@ -28,6 +28,7 @@ import cwgrpo
 import loading
 import plots
 import runtime
+import vllm_engine
 from lm_head import squared_probability_mass
 
 CONCENTRATION_CUTOFFS = (0.0001, 0.001, 0.01, 0.1, 1.0)  # top 0.01% ... 100% of one side
@@ -199,8 +200,8 @@ def diagnostics_markdown(report: dict, cfg: cwgrpo.Config, source: str) -> str:
         f"# Diagnostics of {source}",
         "",
         f"One rollout batch of `--preset {cfg.preset}`: {cfg.prompts_per_step} prompts x G = "
-        f"{cfg.group_size}, {report['tokens']} valid tokens, method `{cfg.method}` for the "
-        f"gradients.",
+        f"{cfg.group_size} sampled by `--rollout {cfg.rollout}`, {report['tokens']} valid tokens, "
+        f"method `{cfg.method}` for the gradients.",
         "",
         "## Covariance concentration",
         "",
@@ -309,9 +310,11 @@ def batch(argv: list) -> Path:
         tokenizer,
         cfg,
     )
+    engine = vllm_engine.for_run(dataclasses.asdict(cfg), device) if cfg.rollout == "vllm" else None
     grader = cwgrpo.Grader(cfg.reward_timeout_s, cwgrpo.reward_worker_count(cfg))
     with autocast():
-        rollout = cwgrpo.sample(model, tokenizer, prompts.next_batch(cfg.prompts_per_step), cfg)
+        batch_prompts = prompts.next_batch(cfg.prompts_per_step)
+        rollout = cwgrpo.sample(model, tokenizer, batch_prompts, cfg, engine)
         cwgrpo.rollout_rewards(
             rollout,
             grader.map([(t, g, "default") for t, g in zip(rollout.texts, rollout.golds)]),

@@ -18,6 +18,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 pytest.importorskip("vllm")
 import cwgrpo  # noqa: E402
+import diagnose  # noqa: E402
 import evaluate  # noqa: E402
 import loading  # noqa: E402
 import sampling  # noqa: E402
@@ -262,3 +263,33 @@ def test_vllm_is_imported_only_when_an_engine_is_made():
     code = "import sys, cwgrpo, evaluate; print('vllm' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE)
     assert done.stdout.strip() == "False", done.stderr[-2000:]
+
+
+def test_diagnose_batch_samples_with_the_engine_it_is_given(tiny_base, tmp_path):
+    """diagnose.py batch --rollout vllm diagnoses the engine's draw: greedy (top-k 1), the same
+    batch and figures as the loop's; sampled, another batch than the loop's of the same seed."""
+    reports = {}
+    for top_k, rollout in [(1, "hf"), (1, "vllm"), (0, "hf"), (0, "vllm")]:
+        out = tmp_path / f"{rollout}-top{top_k}"
+        diagnose.batch(
+            [
+                "--preset", "tiny", "--model", str(tiny_base / "model"), "--diagnostics-dir",
+                str(out), "--prompts-per-step", "2", "--top-k", str(top_k), "--rollout", rollout,
+                "--dataset", str(tiny_base / "arithmetic.jsonl"),
+            ]
+        )  # fmt: skip
+        assert f"sampled by `--rollout {rollout}`" in (out / "diagnostics.md").read_text()
+        reports[top_k, rollout] = json.loads((out / "diagnostics.json").read_text())
+    greedy_hf, greedy_vllm = reports[1, "hf"], reports[1, "vllm"]
+    assert greedy_hf["tokens"] == greedy_vllm["tokens"] > 0
+    assert leaves(greedy_hf) == pytest.approx(leaves(greedy_vllm), rel=1e-3, abs=1e-6, nan_ok=True)
+    assert reports[0, "hf"] != reports[0, "vllm"]
+
+
+def leaves(report) -> list[float]:
+    """A JSON report's numbers, in order."""
+    if isinstance(report, dict):
+        return [x for value in report.values() for x in leaves(value)]
+    if isinstance(report, list):
+        return [x for value in report for x in leaves(value)]
+    return [report]

@@ -21,7 +21,7 @@ import os
 import torch
 
 from loading import eos_token_ids, generation_config
-from memory_plan import Architecture, read_config
+from memory_plan import Architecture, read_config, rows_and_positions
 from sampling import Completions, completion_mask_after_eos, decoded, joined
 
 INSTALL = (
@@ -33,6 +33,15 @@ def check_installed(option: str = "--rollout vllm") -> None:
     """A one-line stop, before any slow work, when vLLM is not installed."""
     if importlib.util.find_spec("vllm") is None:
         raise SystemExit(f"error: {option} needs vLLM, which is not installed: {INSTALL}")
+
+
+def for_run(options: dict, device: torch.device) -> "Engine":
+    """The trainer's engine for a run's options (cwgrpo's Config as a dict): its batch's rows and
+    positions as memory_plan counts them, its share of the card, its seed. It samples only from
+    the weights pushed at each rollout: never stale ones."""
+    rows, _, _, length = rows_and_positions(options)
+    share, seed = options["vllm_gpu_memory_utilization"], options["seed"]
+    return Engine(options["model"], length, rows, device, share, seed)
 
 
 class Engine:

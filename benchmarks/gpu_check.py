@@ -91,10 +91,8 @@ def vllm_check(model, tokenizer, cfg, batch, autocast, hf_decode: float) -> None
         gen = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
         (Path(folder) / "generation_config.json").write_text(json.dumps(gen))
         tokenizer.save_pretrained(folder)
-        rows, _, _, length = memory_plan.rows_and_positions(dataclasses.asdict(cfg))
         start = time.perf_counter()
-        share = cfg.vllm_gpu_memory_utilization
-        engine = vllm_engine.Engine(folder, length, rows, device, share, cfg.seed)
+        engine = vllm_engine.for_run(dataclasses.asdict(cfg) | {"model": folder}, device)
         started = time.perf_counter() - start
     start = time.perf_counter()
     engine.push_weights(model)
@@ -131,6 +129,7 @@ def vllm_check(model, tokenizer, cfg, batch, autocast, hf_decode: float) -> None
         engine.llm.wake_up()
         awake = torch.cuda.mem_get_info()[0]
         engine.llm.sleep(level=2)
+        share = cfg.vllm_gpu_memory_utilization
         print(f"vllm: asleep it frees {(asleep - awake) / 1e9:.1f} GB (its share: {share:.0%})")
     else:
         print("vllm: no sleep mode off CUDA")
