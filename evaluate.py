@@ -200,16 +200,18 @@ def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path) -> dict:
     ]
     output_dir.mkdir(parents=True, exist_ok=True)  # once the benchmarks are known to load
     tokenizer = loading.load_tokenizer(model_path)
-
-    def prompt_ids(question: str) -> list[int]:
-        return loading.chat_prompt_ids(
-            tokenizer, cfg.prompt_template.replace("{question}", question), ""
-        )
-
-    generate = sampler(model_path, tokenizer, cfg, device, n, benchmarks, prompt_ids)
+    prompts_of = [
+        [
+            loading.chat_prompt_ids(tokenizer, cfg.prompt_template.replace("{question}", q), "")
+            for q, _ in problems
+        ]
+        for _, _, problems in benchmarks
+    ]
+    longest = max((len(prompt) for prompts in prompts_of for prompt in prompts), default=0)
+    generate = sampler(model_path, tokenizer, cfg, device, n, longest)
     grader = cwgrpo.Grader(cfg.reward_timeout_s, cwgrpo.reward_worker_count(cfg))
     results = {}
-    for name, bench, problems in benchmarks:
+    for (name, bench, problems), prompts in zip(benchmarks, prompts_of):
         progress_path = output_dir / f"{name}.jsonl"
         settings = {
             "model": str(Path(model_path).resolve()) if Path(model_path).exists() else model_path,
@@ -226,7 +228,6 @@ def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path) -> dict:
             "engine": cfg.engine,
         }
         done = finished_problems(progress_path, settings, cfg.overwrite)
-        prompts = [prompt_ids(question) for question, _ in problems]
         todo = sorted(
             (i for i in range(len(problems)) if i not in done), key=lambda i: len(prompts[i])
         )
@@ -267,7 +268,7 @@ def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path) -> dict:
     return results
 
 
-def sampler(model_path: str, tokenizer, cfg: EvalConfig, device, n, benchmarks, prompt_ids):
+def sampler(model_path: str, tokenizer, cfg: EvalConfig, device, n: int, longest_prompt: int):
     """generate(prompts, n, temperature, top_p, top_k, max_new_tokens, max_total) by the
     --engine: sampling.py's loop over the model, or a vLLM engine with the model's weights, which
     holds the longest prompt of the benchmarks plus --max-new-tokens."""
@@ -275,8 +276,7 @@ def sampler(model_path: str, tokenizer, cfg: EvalConfig, device, n, benchmarks, 
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         model = loading.load_model(model_path, dtype, device).eval()
         return functools.partial(sampling.generate_completions, model, tokenizer)
-    longest = max(len(prompt_ids(q)) for _, _, problems in benchmarks for q, _ in problems)
-    size = (longest + cfg.max_new_tokens, cfg.batch_size * n, device)
+    size = (longest_prompt + cfg.max_new_tokens, cfg.batch_size * n, device)
     share, seed = cfg.vllm_gpu_memory_utilization, cfg.seed
     engine = vllm_engine.Engine(model_path, *size, share, seed, pushed_weights=False)
     return functools.partial(engine.generate, None, tokenizer)

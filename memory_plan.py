@@ -198,7 +198,13 @@ def holds(p: dict, card_bytes: float, free_bytes: float | None = None) -> bool:
     engine = p["engine_share"] * card_bytes
     if engine and engine < 1.5 * p["engine_weights"]:
         return False
-    return max(p["peak"], p["phases"]["rollout"] + engine) <= usable
+    return needed(p, card_bytes) <= usable
+
+
+def needed(p: dict, card_bytes: float) -> float:
+    """The bytes the plan p needs at once on a card of card_bytes: its peak, or its rollout
+    phase beside the vLLM engine's share of the card."""
+    return max(p["peak"], p["phases"]["rollout"] + p["engine_share"] * card_bytes)
 
 
 def fits(p: dict) -> tuple[list[int], list[int]]:
@@ -243,11 +249,10 @@ def check_fit(model: str, options: dict, free_bytes: int, total_bytes: int) -> N
     p = plan(model, options)
     if holds(p, total_bytes, free_bytes):
         return
-    need = max(p["peak"], p["phases"]["rollout"] + p["engine_share"] * total_bytes)
     largest = sorted(p["items"].items(), key=lambda item: -item[1])[:3]
     named = ", ".join(f"{name} {size / GB:.1f} GB" for name, size in largest)
     raise SystemExit(
-        f"error: this run needs about {need / GB:.1f} GB and the GPU has "
+        f"error: this run needs about {needed(p, total_bytes) / GB:.1f} GB and the GPU has "
         f"{free_bytes / GB:.1f} GB free (largest: {named}); try --rollout-chunk (fewer prompts "
         f"sampled at once), --max-completion-length, --groups-per-micro-batch 1, --beta 0, or "
         f"--preset qwen0.5b-24gb; "
