@@ -10,26 +10,87 @@ Benchmarks, prompt and sampling follow docs/math.md, "Evaluation"; grading is cw
 math-verify reward, with the gold parsed as an expression or as LaTeX per benchmark.
 """
 
+import sys
+from dataclasses import dataclass
+from typing import Literal
+
+from cwgrpo_utils.cli import arg, check, check_ranges, parse_dataclasses, require
+
+BENCHMARK_NAMES = ("aime24", "math500", "amc23", "minerva", "olympiadbench")
+# docs/math.md, "Evaluation": user prompt, no system prompt
+EVAL_PROMPT = (
+    "Solve the following math problem efficiently and clearly.  The last line of your response "
+    "should be of the following format: 'Therefore, the final answer is: $\\boxed{{ANSWER}}$. I "
+    "hope it is correct' (without quotes) where ANSWER is just the final number or expression "
+    "that solves the problem. Think "
+    "step by step before answering.\n\n{question}"
+)
+
+
+@dataclass
+class EvalConfig:
+    model: str = arg("", "model to evaluate: hub id or local folder")
+    checkpoints: str = arg("", "a glob of checkpoint folders ('runs/x/checkpoint-*'): their table")
+    benchmarks: str = arg(",".join(BENCHMARK_NAMES), "comma-separated names or local data files")
+    question_column: str = arg("problem", "question column of local files")
+    gold_column: str = arg("answer", "gold column of local files")
+    gold_format: Literal["expr", "latex", "default"] = arg(
+        "latex", "how the gold of local files is parsed: expr (numbers), latex or default (both)"
+    )
+    prompt_template: str = arg(EVAL_PROMPT, "user message, {question} where the problem goes")
+    protocol: Literal["robust", "paper"] = arg(
+        "robust", "paper: 1 sample per problem, a fixed seed; robust: --n samples, avg@n"
+    )
+    n: int = arg(8, "samples per problem under the robust protocol", "> 0")
+    temperature: float = arg(0.6, "sampling temperature (the paper: 0.6)", "> 0")
+    top_p: float = arg(0.95, "nucleus sampling (the paper: 0.95)", "in (0, 1]")
+    max_new_tokens: int = arg(4096, "generation limit in tokens", "> 0")
+    batch_size: int = arg(16, "problems per generate call (each with n samples)", "> 0")
+    limit: int = arg(0, "evaluate only the first N problems of each benchmark; 0: all", ">= 0")
+    seed: int = arg(2025, "sampling seed", ">= 0")
+    reward_timeout_s: float = arg(10.0, "hard limit on grading one completion", "> 0")
+    reward_workers: int = arg(0, "grading processes; 0: one per CPU core, at most 8", ">= 0")
+    device: str = arg("auto", "auto (cuda if present), cuda or cpu")
+    engine: Literal["hf", "vllm"] = arg("hf", "sampler: hf (cwgrpo.py's loop) or vllm, alike")
+    vllm_gpu_memory_utilization: float = arg(0.9, "--engine vllm on CUDA: its share", "in (0, 1]")
+    overwrite: bool = arg(False, "recompute benchmarks whose samples were made otherwise")
+    output_dir: str = arg("", "results.json, results.md and progress; default eval/<model path>")
+
+    def __post_init__(self):
+        check_ranges(self)
+
+
+def parse_config(argv=None) -> EvalConfig:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    (cfg,), _ = parse_dataclasses(EvalConfig, argv, description=__doc__.split("\n\n")[0])
+    one = "pass exactly one of --model PATH_OR_HUB_ID and --checkpoints GLOB"
+    check(bool(cfg.model) != bool(cfg.checkpoints), one)
+    if cfg.engine == "vllm":
+        require("vllm", "--engine vllm")
+    return cfg
+
+
+if __name__ == "__main__":  # --help and a bad option answer here, before the heavy imports below
+    CONFIG = parse_config()
+
 import functools
 import glob
 import hashlib
 import json
 import math
 import re
-import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
+import transformers
 from tqdm import tqdm
 
 import cwgrpo
-import loading
-import plots
-import runtime
-import sampling
-import vllm_engine
+from cwgrpo_utils import loading, plots
+from cwgrpo_utils.checkpoints import checkpoint_step
+from cwgrpo_utils.vllm_engine import Engine
 
 
 class Benchmark(NamedTuple):
@@ -56,15 +117,6 @@ TABLE_NAMES = {
     "olympiadbench": "OlympiadBench",
 }
 
-# docs/math.md, "Evaluation": user prompt, no system prompt
-EVAL_PROMPT = (
-    "Solve the following math problem efficiently and clearly.  The last line of your response "
-    "should be of the following format: 'Therefore, the final answer is: $\\boxed{{ANSWER}}$. I "
-    "hope it is correct' (without quotes) where ANSWER is just the final number or expression "
-    "that solves the problem. Think "
-    "step by step before answering.\n\n{question}"
-)
-
 # the CW-GRPO paper's tables (pass@1, single sample)
 PUBLISHED = [
     ("1.5B base (quoted from elsewhere, avg@16)", [28.8, 82.8, 62.9, 26.5, 43.3, 48.9]),
@@ -75,91 +127,6 @@ PUBLISHED = [
     ("7B GRPO", [10.0, 82.2, 55.0, 33.1, 40.3, 44.1]),
     ("7B CW-GRPO", [13.3, 82.8, 62.5, 32.0, 42.7, 46.7]),
 ]
-
-
-@dataclass
-class EvalConfig:
-    model: str = field(default="", metadata={"help": "model to evaluate: hub id or local folder"})
-    checkpoints: str = field(
-        default="",
-        metadata={
-            "help": "a glob of checkpoint folders (e.g. 'runs/x/checkpoint-*') for the "
-            "checkpoint-stability table"
-        },
-    )
-    benchmarks: str = field(
-        default="aime24,math500,amc23,minerva,olympiadbench",
-        metadata={
-            "help": "comma-separated: names (aime24, math500, amc23, minerva, olympiadbench) or "
-            "local "
-            ".json/.jsonl/.parquet files"
-        },
-    )
-    question_column: str = field(
-        default="problem", metadata={"help": "question column of local files"}
-    )
-    gold_column: str = field(default="answer", metadata={"help": "gold column of local files"})
-    gold_format: Literal["expr", "latex", "default"] = field(
-        default="latex",
-        metadata={
-            "help": "how the gold of local files is parsed: expr (plain numbers), latex, or "
-            "default (both)"
-        },
-    )
-    prompt_template: str = field(
-        default=EVAL_PROMPT,
-        metadata={
-            "help": "user message, with {question} where the problem goes (default: the paper's "
-            "evaluation prompt; "
-            "'{question}' for the tiny preset's models)"
-        },
-    )
-    protocol: Literal["robust", "paper"] = field(
-        default="robust",
-        metadata={
-            "help": "paper: 1 sample per problem with a fixed seed, as in the paper; robust: --n "
-            "samples, avg@n"
-        },
-    )
-    n: int = field(default=8, metadata={"help": "samples per problem under the robust protocol"})
-    temperature: float = field(
-        default=0.6, metadata={"help": "sampling temperature (the paper: 0.6)"}
-    )
-    top_p: float = field(default=0.95, metadata={"help": "nucleus sampling (the paper: 0.95)"})
-    max_new_tokens: int = field(default=4096, metadata={"help": "generation limit in tokens"})
-    batch_size: int = field(
-        default=16, metadata={"help": "problems per generate call (each with n samples)"}
-    )
-    limit: int = field(
-        default=0, metadata={"help": "evaluate only the first N problems of each benchmark"}
-    )
-    seed: int = field(default=2025, metadata={"help": "sampling seed"})
-    reward_timeout_s: float = field(
-        default=10.0, metadata={"help": "hard limit on grading one completion"}
-    )
-    reward_workers: int = field(
-        default=0,
-        metadata={"help": "processes grading in parallel; 0 is one per CPU core, at most 8"},
-    )
-    device: str = field(default="auto", metadata={"help": "auto (cuda if present), cuda or cpu"})
-    engine: Literal["hf", "vllm"] = field(
-        default="hf",
-        metadata={"help": "sampler: hf (sampling.py's loop) or vllm (vllm_engine.py), alike"},
-    )
-    vllm_gpu_memory_utilization: float = field(
-        default=0.9, metadata={"help": "--engine vllm on CUDA: the share of the GPU it holds"}
-    )
-    overwrite: bool = field(
-        default=False,
-        metadata={"help": "recompute benchmarks whose saved samples were made with other settings"},
-    )
-    output_dir: str = field(
-        default="",
-        metadata={
-            "help": "results.json, results.md and per-benchmark progress (default "
-            "eval/<model path>)"
-        },
-    )
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -191,25 +158,23 @@ def load_benchmark(name: str, cfg: EvalConfig) -> tuple[str, Benchmark, list[tup
 def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path) -> dict:
     """Samples and grades every benchmark; finished problems are kept in <benchmark>.jsonl, so a
     rerun after a crash only generates what is missing."""
-    device = torch.device(
-        cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
-    )
+    device = loading.resolve_device(cfg.device)
     n = 1 if cfg.protocol == "paper" else cfg.n
     benchmarks = [
         load_benchmark(name.strip(), cfg) for name in cfg.benchmarks.split(",") if name.strip()
     ]
-    output_dir.mkdir(parents=True, exist_ok=True)  # once the benchmarks are known to load
     tokenizer = loading.load_tokenizer(model_path)
     prompts_of = [
         [
-            loading.chat_prompt_ids(tokenizer, cfg.prompt_template.replace("{question}", q), "")
+            cwgrpo.chat_prompt_ids(tokenizer, cfg.prompt_template.replace("{question}", q), "")
             for q, _ in problems
         ]
         for _, _, problems in benchmarks
     ]
     longest = max((len(prompt) for prompts in prompts_of for prompt in prompts), default=0)
     generate = sampler(model_path, tokenizer, cfg, device, n, longest)
-    grader = cwgrpo.Grader(cfg.reward_timeout_s, cwgrpo.reward_worker_count(cfg))
+    output_dir.mkdir(parents=True, exist_ok=True)  # once the benchmarks and the model have loaded
+    grader = cwgrpo.Grader(cfg.reward_timeout_s, cfg.reward_workers)
     results = {}
     for (name, bench, problems), prompts in zip(benchmarks, prompts_of):
         progress_path = output_dir / f"{name}.jsonl"
@@ -237,11 +202,9 @@ def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path) -> dict:
         ):
             for start in range(0, len(todo), cfg.batch_size):
                 batch = todo[start : start + cfg.batch_size]  # similar lengths: little padding
-                torch.manual_seed(
-                    cfg.seed + batch[0]
-                )  # a problem's samples do not depend on what ran before
-                distribution = (n, cfg.temperature, cfg.top_p, 0, cfg.max_new_tokens, None)
-                texts = generate([prompts[i] for i in batch], *distribution).texts
+                torch.manual_seed(cfg.seed + batch[0])  # a problem's samples: not what ran before
+                how = cwgrpo.Sampling(n, cfg.temperature, cfg.top_p, 0, cfg.max_new_tokens)
+                texts = generate([prompts[i] for i in batch], how).texts
                 all_grades = grader.map(
                     [
                         (text, problems[batch[k // n]][1], bench.gold_format)
@@ -269,17 +232,17 @@ def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path) -> dict:
 
 
 def sampler(model_path: str, tokenizer, cfg: EvalConfig, device, n: int, longest_prompt: int):
-    """generate(prompts, n, temperature, top_p, top_k, max_new_tokens, max_total) by the
-    --engine: sampling.py's loop over the model, or a vLLM engine with the model's weights, which
-    holds the longest prompt of the benchmarks plus --max-new-tokens."""
+    """generate(prompts, how) by the --engine: cwgrpo.py's loop over the model, or a vLLM engine
+    with the model's weights, which holds the longest prompt of the benchmarks plus
+    --max-new-tokens."""
     if cfg.engine == "hf":
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         model = loading.load_model(model_path, dtype, device).eval()
-        return functools.partial(sampling.generate_completions, model, tokenizer)
+        return functools.partial(cwgrpo.generate_completions, model, tokenizer)
     size = (longest_prompt + cfg.max_new_tokens, cfg.batch_size * n, device)
     share, seed = cfg.vllm_gpu_memory_utilization, cfg.seed
-    engine = vllm_engine.Engine(model_path, *size, share, seed, pushed_weights=False)
-    return functools.partial(engine.generate, None, tokenizer)
+    engine = Engine(model_path, *size, share, seed, pushed_weights=False)
+    return functools.partial(cwgrpo.generate_completions, None, tokenizer, engine=engine)
 
 
 def finished_problems(progress_path: Path, settings: dict, overwrite: bool) -> dict:
@@ -407,11 +370,6 @@ def write_results(output_dir: Path, model_path: str, cfg: EvalConfig, results: d
     )
 
 
-def checkpoint_step(path: str) -> int:
-    match = re.search(r"checkpoint-(\d+)$", path.rstrip("/"))
-    return int(match.group(1)) if match else -1
-
-
 def evaluate_checkpoints(cfg: EvalConfig, output_dir: Path) -> None:
     """The paper's checkpoint ablation: every benchmark at every checkpoint, a table and a plot."""
     paths = sorted(glob.glob(cfg.checkpoints), key=checkpoint_step)
@@ -446,16 +404,9 @@ def default_output_dir(source: str) -> Path:
     )
 
 
-def main(argv=None) -> None:
-    (cfg,) = runtime.parse_dataclasses(EvalConfig, argv, description=__doc__.split("\n\n")[0])
-    if bool(cfg.model) == bool(cfg.checkpoints):
-        raise SystemExit("error: pass exactly one of --model PATH_OR_HUB_ID and --checkpoints GLOB")
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda but no CUDA GPU was found; use --device cpu")
-    if cfg.engine == "vllm":
-        vllm_engine.check_installed("--engine vllm")
-    runtime.check_rules(cfg, [("in (0, 1]", "vllm_gpu_memory_utilization")])
-    cwgrpo.transformers.utils.logging.disable_progress_bar()
+def main(cfg: EvalConfig) -> None:
+    loading.resolve_device(cfg.device)  # --device cuda without a GPU: one line, before loading
+    transformers.utils.logging.disable_progress_bar()
     source = cfg.model or cfg.checkpoints
     output_dir = Path(cfg.output_dir or default_output_dir(source))
     if cfg.checkpoints:
@@ -470,4 +421,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main(CONFIG)

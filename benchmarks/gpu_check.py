@@ -1,27 +1,27 @@
 """The first thing to run on a GPU: cwgrpo's rollout and update at the paper's shapes, with no
 download, in a few minutes, printing what the CPU tests cannot show.
 
-    python benchmarks/gpu_check.py           # R1-Distill-Qwen-1.5B's architecture, 2 steps
-    python benchmarks/gpu_check.py --tiny    # the same path at tiny shapes (the test suite runs it)
+    python -m benchmarks.gpu_check          # R1-Distill-Qwen-1.5B's architecture, 2 steps
+    python -m benchmarks.gpu_check --tiny   # the same path at tiny shapes (the tests run it)
 
 A randomly initialised model of R1-Distill-Qwen-1.5B's exact architecture (its config.json from
-model_configs/: the full vocabulary, 28 layers), the paper's batch (12 prompts x G = 12) with
-prompts of up to 128 random tokens and --new-tokens new ones (512), beta 0.04 with a bf16 reference,
-two steps through cwgrpo's own sample() and update(). Random weights never emit EOS, so every row
-runs to the limit: the KV cache at its largest. It prints decode and update tokens/s, the peak
-memory (torch.cuda.max_memory_allocated) beside the plan's (memory_plan.py), the KV cache's dtype,
-the KL at step 0, and whether every logit after a left-padded prefill is finite, with cwgrpo's
-attention mask and with the plain one. Where vLLM is installed, the same batch by --rollout vllm
-(vllm_engine.py): the engine's start, its decode tokens/s beside the loop's, the weight push, the
-GPU memory it frees asleep, the share of greedy tokens equal to the loop's, and the sampler-trainer
-mismatch (mean and max |l - s|), which the CPU tests check only in fp32.
+cwgrpo_utils/model_configs/: the full vocabulary, 28 layers), the paper's batch (12 prompts x G =
+12) with prompts of up to 128 random tokens and --new-tokens new ones (512), beta 0.04 with a bf16
+reference, two steps through cwgrpo's own sample() and update(). Random weights never emit EOS, so
+every row runs to the limit: the KV cache at its largest. It prints decode and update tokens/s, the
+peak memory (torch.cuda.max_memory_allocated) beside the plan's (cwgrpo_utils/memory_plan.py), the
+KV cache's dtype, the KL at step 0, and whether every logit after a left-padded prefill is finite,
+with cwgrpo's attention mask and with the plain one. Where vLLM is installed, the same batch by
+--rollout vllm (cwgrpo_utils/vllm_engine.py): the engine's start, its decode tokens/s beside the
+loop's, the weight push, the GPU memory it frees asleep, the share of greedy tokens equal to the
+loop's, and the sampler-trainer mismatch (mean and max |l - s|), which the CPU tests check only in
+fp32.
 """
 
 import argparse
 import dataclasses
 import importlib.util
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,18 +29,11 @@ from pathlib import Path
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+import cwgrpo
+from cwgrpo_utils import loading, memory_plan, tiny
+from cwgrpo_utils.cli import OPTIONAL
 
-import cwgrpo  # noqa: E402
-import loading  # noqa: E402
-import memory_plan  # noqa: E402
-import runtime  # noqa: E402
-import sampling  # noqa: E402
-import tiny  # noqa: E402
-import vllm_engine  # noqa: E402
-
-PAPER_CONFIG = HERE.parent / "model_configs" / "deepseek-ai--DeepSeek-R1-Distill-Qwen-1.5B.json"
+PAPER_CONFIG = memory_plan.SHIPPED_CONFIGS / "deepseek-ai--DeepSeek-R1-Distill-Qwen-1.5B.json"
 TINY_CONFIG = dict(
     vocab_size=300,
     hidden_size=64,
@@ -77,7 +70,7 @@ def finite_after_left_padded_prefill(model, tokenizer, autocast) -> dict:
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     out = {}
     with torch.no_grad(), autocast():
-        for name, attention in (("cwgrpo", sampling.attention_mask(model, mask)), ("plain", mask)):
+        for name, attention in (("cwgrpo", loading.attention_mask(model, mask)), ("plain", mask)):
             logits = model(input_ids=ids, attention_mask=attention, position_ids=positions).logits
             out[name] = bool(torch.isfinite(logits).all())
     return out
@@ -92,7 +85,7 @@ def vllm_check(model, tokenizer, cfg, batch, autocast, hf_decode: float) -> None
         (Path(folder) / "generation_config.json").write_text(json.dumps(gen))
         tokenizer.save_pretrained(folder)
         start = time.perf_counter()
-        engine = vllm_engine.for_run(dataclasses.asdict(cfg) | {"model": folder}, device)
+        engine = cwgrpo.vllm_engine(dataclasses.replace(cfg, model=folder), device)
         started = time.perf_counter() - start
     start = time.perf_counter()
     engine.push_weights(model)
@@ -116,8 +109,9 @@ def vllm_check(model, tokenizer, cfg, batch, autocast, hf_decode: float) -> None
     prompts = [ids for ids, _ in batch[:4]]
     with autocast():
         torch.manual_seed(0)
-        hf = sampling.generate_completions(model, tokenizer, prompts, 1, 1.0, 1.0, 1, 32, None)
-        ours = engine.generate(model, tokenizer, prompts, 1, 1.0, 1.0, 1, 32, None)
+        greedy = cwgrpo.Sampling(1, 1.0, 1.0, 1, 32)
+        hf = cwgrpo.generate_completions(model, tokenizer, prompts, greedy)
+        ours = cwgrpo.generate_completions(model, tokenizer, prompts, greedy, engine=engine)
     width = min(hf.completion_ids.shape[1], ours.completion_ids.shape[1])
     same = (hf.completion_ids[:, :width] == ours.completion_ids[:, :width]).float().mean()
     print(
@@ -161,8 +155,9 @@ def main() -> None:
                 device.type,
             ]
         )
-        planned = memory_plan.plan(folder, dataclasses.asdict(cfg), cuda=device.type == "cuda")
-        report = memory_plan.report(folder, dataclasses.asdict(cfg)).split("\n", 1)[1]
+        options = memory_plan.PlanOptions.of(cfg)
+        planned = memory_plan.plan(folder, options, cuda=device.type == "cuda")
+        report = memory_plan.report(folder, options).split("\n", 1)[1]
     print(
         f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; "
         f"{planned['parameters']:,} parameters; {cfg.prompts_per_step} prompts x G = "
@@ -177,7 +172,7 @@ def main() -> None:
     reference.eval().requires_grad_(False)
     if cfg.gradient_checkpointing:
         loading.enable_checkpointing(model)
-    autocast = runtime.bf16_autocast(device)
+    autocast = loading.autocast(device)
     fused = device.type == "cuda"
     optimizer = torch.optim.AdamW(model.parameters(), cfg.learning_rate, fused=fused)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
@@ -207,7 +202,7 @@ def main() -> None:
             f"{metrics['grad_norm']:.3g}"
         )
     with autocast():
-        print(f"KV cache dtype: {sampling.cache_dtype(model)}")
+        print(f"KV cache dtype: {loading.KVCache.for_model(model).store_dtype}")
     finite = finite_after_left_padded_prefill(model, tokenizer, autocast)
     print(
         f"every logit finite after a left-padded prefill: cwgrpo's mask {finite['cwgrpo']}, "
@@ -223,7 +218,7 @@ def main() -> None:
     else:
         print(f"peak memory: not measured on the CPU; planned {planned['peak'] / 1e9:.3f} GB")
     if importlib.util.find_spec("vllm") is None:
-        print(f"vllm: not installed ({vllm_engine.INSTALL})")
+        print(f"vllm: not installed ({OPTIONAL['vllm'][1]})")
     else:
         batch = prompts(cfg.prompts_per_step, longest, 256, 0)
         vllm_check(model, tokenizer, cfg, batch, autocast, decode_speeds[-1])

@@ -1,7 +1,7 @@
 """Peak memory of log-probs + entropy + backward through the LM head: cwgrpo's chunked path against
 the direct full-logits computation, on CPU with just an LM head (no transformer layers).
 
-    python benchmarks/logprob_memory.py    # Qwen's vocab 151,936, hidden 1,536, 2 x 2,048 tokens
+    python -m benchmarks.logprob_memory    # Qwen's vocab 151,936, hidden 1,536, 2 x 2,048 tokens
 
 Each path runs in its own process, so each peak (the growth of the process's maximum resident set
 during the computation) is measured from the same starting point. Both processes save their results,
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import cwgrpo  # noqa: E402
+import cwgrpo
+from cwgrpo_utils.lm_head import chunked_logprobs
 
 
 def peak_rss_mib() -> float:
@@ -43,7 +43,7 @@ def run_one(path: str, args, out: Path) -> None:
     upstream = torch.randn(positions)  # the loss's gradient with respect to each log-prob
     start_mib, start = peak_rss_mib(), time.perf_counter()
     if path == "chunked":
-        logp, entropy = cwgrpo.chunked_logprobs(hidden, weight, targets, 0.7, args.chunk_elements)
+        logp, entropy = chunked_logprobs(hidden, weight, targets, 0.7, args.chunk_elements)
     else:
         logp, entropy = direct_logprobs(hidden, weight, targets, 0.7)
     (logp * upstream).sum().backward()
@@ -85,7 +85,16 @@ def main() -> None:
         for path in ("direct", "chunked"):
             out = Path(tmp) / f"{path}.pt"
             subprocess.run(
-                [sys.executable, __file__, *sys.argv[1:], "--path", path, "--out", str(out)],
+                [
+                    sys.executable,
+                    "-m",
+                    __spec__.name,
+                    *sys.argv[1:],
+                    "--path",
+                    path,
+                    "--out",
+                    str(out),
+                ],
                 check=True,
             )
             results[path] = torch.load(out)

@@ -1,6 +1,6 @@
 """Cost of each method's token weighting plus the loss, relative to GRPO, at a realistic shape.
 
-    python benchmarks/method_cost.py              # G = 12, completions of up to 4,096 tokens
+    python -m benchmarks.method_cost              # G = 12, completions of up to 4,096 tokens
 
 For every method: the time of its token terms (weights, masks, extra terms) plus the PPO-clip/KL
 loss, its aggregation and the backward pass to the log-probs, for one group, the median of --repeats
@@ -12,14 +12,11 @@ method pays.
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import cwgrpo  # noqa: E402
+import cwgrpo
 
 
 def timed(fn, repeats: int) -> float:
@@ -75,7 +72,8 @@ def main() -> None:
             update_pass=0,
         )
         terms = cwgrpo.METHODS[method_name].token_terms(group, cfg)
-        per_token = cwgrpo.token_loss(logp, old_logp, ref_logp, adv, terms, cfg)
+        clip = cwgrpo.METHODS[method_name].clip
+        per_token = cwgrpo.token_loss(logp, old_logp, ref_logp, adv, terms, cfg, clip)
         cwgrpo.aggregate(per_token, mask, cfg.loss_aggregation, G, int(mask.sum())).backward()
 
     base = timed(lambda: step("grpo"), args.repeats)

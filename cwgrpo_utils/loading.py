@@ -1,9 +1,12 @@
-"""loading.py: models, tokenizers and data from the Hugging Face hub or local files, each failure
-one line that names the problem and its fix, never a traceback from inside a library. cwgrpo.py,
-evaluate.py and the tools load through it; it knows nothing of cwgrpo.
+"""Models, tokenizers and data from the Hugging Face hub or local files, and the device they go to:
+each failure one line that names the problem and its fix, never a traceback from inside a
+library. cwgrpo.py, evaluate.py and the tools load through it. Also what a model runs with beyond
+its weights: the attention mask of a padded batch, the KV cache, activation checkpointing.
 """
 
+import collections
 import functools
+import inspect
 import json
 import socket
 import urllib.parse
@@ -12,7 +15,13 @@ from pathlib import Path
 import datasets
 import huggingface_hub
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DynamicCache,
+    GenerationConfig,
+)
 
 OFFLINE_HINT = "the hub cannot be reached from here, so only what is cached loads"
 
@@ -80,7 +89,29 @@ def load_dataset(name: str, split: str, question_column: str, gold_column: str):
             f"columns found: {', '.join(dataset.column_names)}. "
             f"Set --question-column and --gold-column"
         )
-    return dataset
+    return without_empty_rows(dataset, name, (question_column, gold_column))
+
+
+def without_empty_rows(dataset, name: str, columns: tuple[str, str]):
+    """The rows whose question and gold both hold something: a null cell would reach the prompt
+    or the grader as the string "None" and score 0 whatever the model answers. The rows left out
+    are counted in one line; a dataset with none left is an error."""
+    skipped, keep = collections.Counter(), []
+    for index, cells in enumerate(zip(*(dataset[column] for column in columns))):
+        empty = [c for c, cell in zip(columns, cells) if cell is None or not str(cell).strip()]
+        if empty:
+            skipped[" and ".join(empty)] += 1
+        else:
+            keep.append(index)
+    if not keep:
+        raise SystemExit(
+            f"error: dataset '{name}' has no row with both a {columns[0]} and a {columns[1]}; "
+            f"check --question-column and --gold-column"
+        )
+    if skipped:
+        reasons = [f"empty {what}" + f" ({n})" * (len(skipped) > 1) for what, n in skipped.items()]
+        print(f"skipped {skipped.total()} of {len(dataset)} rows: {', '.join(reasons)}")
+    return dataset.select(keep) if skipped else dataset
 
 
 def check_local_data(path: Path) -> None:
@@ -137,24 +168,23 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
-def check_model_path(model: str, hint: str = "") -> None:
-    """A model that names a local path must exist: one line if not. A name is a local path when
-    it starts with . / or ~, has more than one /, or lies in a folder that exists here (runs/x);
-    anything else ("org/name") is a hub id."""
+def check_model_path(model: str) -> None:
+    """A model must be there before anything else is made: one line if not. A name is a local path
+    when it starts with . / or ~, has more than one /, or lies in a folder that exists here
+    (runs/x); anything else ("org/name") is a hub id, which must be cached where the hub cannot
+    be reached."""
     path = Path(model).expanduser()
+    if path.exists():
+        return
     slashes = model.count("/")
-    local = (
-        model.startswith((".", "/", "~")) or slashes > 1 or (slashes == 1 and path.parent.is_dir())
-    )
-    if local and not path.exists():
-        raise SystemExit(f"error: --model {model}: no such folder{hint}")
-
-
-def eos_token_ids(generation_config, tokenizer) -> list[int]:
-    """The tokens a completion ends at: the generation config's EOS ids, else the tokenizer's."""
-    ids = generation_config.eos_token_id
-    ids = [ids] if isinstance(ids, int) else list(ids or [])
-    return ids or [tokenizer.eos_token_id]
+    if model.startswith((".", "/", "~")) or slashes > 1 or (slashes == 1 and path.parent.is_dir()):
+        raise SystemExit(f"error: --model {model}: no such folder")
+    cached = huggingface_hub.try_to_load_from_cache(model, "config.json")
+    if not isinstance(cached, str) and not hub_reachable():
+        raise SystemExit(
+            f"error: --model {model}: no such folder, and no hub model of that name is cached; "
+            f"{OFFLINE_HINT}"
+        )
 
 
 def generation_config(model_path: str) -> GenerationConfig:
@@ -167,13 +197,49 @@ def generation_config(model_path: str) -> GenerationConfig:
         return GenerationConfig.from_model_config(config)
 
 
-def chat_prompt_ids(tokenizer, question: str, system_prompt: str) -> list[int]:
-    """A question as the model's chat template writes it, ready for the assistant's answer."""
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append({"role": "user", "content": question})
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)[
-        "input_ids"
-    ]
+def attention_mask(model, mask: torch.Tensor) -> torch.Tensor | None:
+    """What to pass as attention_mask for a full forward pass over a batch whose 2D mask is `mask`
+    (1: a real token). Without left padding, None: right padding cannot reach a real token under
+    causal attention, and SDPA's causal kernel needs no mask. Else, for SDPA, a (B, 1, L, L) causal
+    mask on real keys in which every position also sees itself: a left pad sees nothing in the
+    plain mask, some CUDA kernels give NaN for such a row, and 0 x NaN reaches real tokens through
+    the values in the next layer. Real positions attend exactly as with the plain mask."""
+    if bool(mask[:, 0].all()):
+        return None
+    if getattr(model.config, "_attn_implementation", "sdpa") != "sdpa":
+        return mask  # other attention implementations take the 2D mask
+    length = mask.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=mask.device).tril()
+    seen = mask.bool()[:, None, None, :] | torch.eye(length, dtype=torch.bool, device=mask.device)
+    return causal & seen
+
+
+class KVCache(DynamicCache):
+    """A DynamicCache holding keys and values in one dtype. Under bf16 autocast the rotary
+    embedding's fp32 cos and sin make the keys fp32, which the plain cache keeps, half as large
+    again; attention reads them as bf16 anyway, so bf16 storage changes nothing it computes."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.store_dtype = dtype
+
+    @classmethod
+    def for_model(cls, model) -> "KVCache":
+        """In the dtype attention reads: bf16 under CUDA autocast, else the model's own."""
+        if next(model.parameters()).is_cuda and torch.is_autocast_enabled("cuda"):
+            return cls(torch.get_autocast_dtype("cuda"))
+        return cls(next(model.parameters()).dtype)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        keys, values = key_states.to(self.store_dtype), value_states.to(self.store_dtype)
+        return super().update(keys, values, layer_idx, *args, **kwargs)
+
+
+def cache_argument(model, cache: DynamicCache) -> dict:
+    """forward's keyword for a KV cache: transformers 5.2x renamed past_key_values to cache, and
+    the 5.1x release vLLM pins has only the old name."""
+    new = "cache" in inspect.signature(model.forward).parameters
+    return {"cache" if new else "past_key_values": cache}
 
 
 def enable_checkpointing(model) -> None:
@@ -183,34 +249,21 @@ def enable_checkpointing(model) -> None:
     getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
 
 
-class PromptStream:
-    """Tokenised (prompt, gold) pairs in a seeded order, reshuffled each epoch. Its position, a
-    count of prompts served, is all a checkpoint needs. cfg: a cwgrpo Config (its question_column,
-    gold_column, system_prompt, max_prompt_length and seed)."""
-
-    def __init__(self, dataset, tokenizer, cfg):
-        pairs = [
-            (chat_prompt_ids(tokenizer, str(question), cfg.system_prompt), str(gold))
-            for question, gold in zip(dataset[cfg.question_column], dataset[cfg.gold_column])
-        ]
-        self.items = [(ids, gold) for ids, gold in pairs if len(ids) <= cfg.max_prompt_length]
-        self.skipped, self.seed, self.position = len(pairs) - len(self.items), cfg.seed, 0
-        if self.skipped:
-            print(f"skipped {self.skipped} prompts longer than --max-prompt-length")
-        if not self.items:
+def resolve_device(requested: str, gpu_recipe: str = "") -> torch.device:
+    """auto is cuda where there is a GPU; a GPU recipe without one stops with the fix."""
+    if requested == "auto":
+        if gpu_recipe and not torch.cuda.is_available():
             raise SystemExit(
-                f"error: every prompt is longer than --max-prompt-length {cfg.max_prompt_length}"
+                f"error: --preset {gpu_recipe} is a GPU recipe and no CUDA GPU was "
+                f"found; run the CPU demo with --preset tiny (or force --device cpu)"
             )
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda but no CUDA GPU was found; use --device cpu")
+    return torch.device(requested)
 
-    @functools.lru_cache(maxsize=1)  # noqa: B019 - one stream per run, alive as long as the run
-    def order(self, epoch: int) -> list[int]:
-        generator = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(len(self.items), generator=generator).tolist()
 
-    def next_batch(self, n: int) -> list[tuple[list[int], str]]:
-        batch = []
-        for _ in range(n):
-            epoch, index = divmod(self.position, len(self.items))
-            batch.append(self.items[self.order(epoch)[index]])
-            self.position += 1
-        return batch
+def autocast(device: torch.device):
+    """A factory of autocast contexts: bf16 compute on CUDA over fp32 master weights; on a CPU
+    none (all fp32)."""
+    return functools.partial(torch.autocast, "cuda", torch.bfloat16, device.type == "cuda")

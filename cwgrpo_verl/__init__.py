@@ -1,13 +1,14 @@
-"""cwgrpo.py's token-weighting methods as verl policy losses, for training beyond one GPU with verl.
+"""cwgrpo.py's token-weighting methods as verl policy losses, for training beyond one GPU with verl
+(cwgrpo_verl/README.md).
 
-verl loads this module when it starts with
+verl loads this package when it starts with
 
-    VERL_USE_EXTERNAL_MODULES=cwgrpo_verl python -m verl.trainer.main_ppo ... \\
+    VERL_USE_EXTERNAL_MODULES=cwgrpo_verl PYTHONPATH=$PWD python -m verl.trainer.main_ppo ... \\
         actor_rollout_ref.actor.policy_loss.loss_mode=cw
 
-(cwgrpo.py and this file on PYTHONPATH). Each loss calls the same tensor functions as cwgrpo.py: the
-method's token terms, then cwgrpo's PPO-clip term; verl adds its own KL loss (use_kl_loss) and
-aggregates with its agg_loss. Registered names:
+from the repository's root (cwgrpo.py and this package on PYTHONPATH). Each loss calls the same
+tensor functions as cwgrpo.py: the method's token terms, then cwgrpo's PPO-clip term; verl adds its
+own KL loss (use_kl_loss) and aggregates with its agg_loss. Registered names:
 
 - cw: CW-GRPO (cwgrpo's cw_weights; released code's padded normalisation, weights not detached).
 - cw_valid, cw_detach, cw_valid_detach: the other readings of docs/math.md's cw steps 6 and 7.
@@ -24,7 +25,6 @@ use_dynamic_bsz off) a micro-batch is exactly one prompt's group, as in the pape
 the statistics mix groups (or split one), which the released CW-GRPO code also does.
 """
 
-import argparse
 import dataclasses
 from pathlib import Path
 
@@ -32,7 +32,7 @@ import torch
 from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 
 import cwgrpo
-import loading
+from cwgrpo_utils import loading
 
 VERL_METHODS = {  # verl name -> (cwgrpo method, Config overrides)
     "cw": ("cw", {}),
@@ -101,7 +101,9 @@ def make_policy_loss(method_name: str, overrides: dict):
             update_pass=0,
         )
         terms = method.token_terms(group, cfg)
-        loss = cwgrpo.token_loss(log_prob, old_log_prob, None, per_response, terms, cfg)
+        loss = cwgrpo.token_loss(
+            log_prob, old_log_prob, None, per_response, terms, cfg, method.clip
+        )
         if rollout_is_weights is not None:
             loss = loss * rollout_is_weights
         pg_loss = agg_loss(
@@ -189,28 +191,3 @@ def convert(
         str(out / "train.parquet")
     )
     return out / "train.parquet"
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(
-        description="Write verl's train.parquet from Open-RS-style data."
-    )
-    parser.add_argument(
-        "--dataset", default="knoveleng/open-rs", help="hub id or local .json/.jsonl/.parquet/.csv"
-    )
-    parser.add_argument("--output-dir", default="data/open-rs-verl")
-    parser.add_argument("--question-column", default="problem")
-    parser.add_argument("--gold-column", default="solution")
-    parser.add_argument(
-        "--format-weight", type=float, default=1.0, help="0 for the 7B recipe (accuracy only)"
-    )
-    args = parser.parse_args()
-    print(
-        convert(
-            args.dataset,
-            args.output_dir,
-            args.question_column,
-            args.gold_column,
-            format_weight=args.format_weight,
-        )
-    )

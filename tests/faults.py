@@ -1,14 +1,14 @@
-"""faults.py: run a tool with a fault injected at the Nth call of a named function, to see what a
-kill or a failed write does to a run. test_cwgrpo.py's fault-injection tests drive it.
+"""Run cwgrpo.py with a fault injected at the Nth call of a named function, to see what a kill or
+a failed write does to a run. The whole-run tests (tests/test_runs.py) drive it.
 
-    CWGRPO_FAULT=cwgrpo:update:3 python faults.py cwgrpo --preset tiny     # SIGKILL at update 3
-    CWGRPO_FAULT=torch:save:2:after python faults.py cwgrpo ...      # after the 2nd torch.save
-    CWGRPO_FAULT=runtime:append_record:4:torn python faults.py cwgrpo ...  # half a line, then kill
-    CWGRPO_FAULT=torch:save:2:enospc python faults.py cwgrpo ...     # "No space left on device"
+    CWGRPO_FAULT=cwgrpo:update:3 python -m tests.faults --preset tiny   # SIGKILL at update 3
+    CWGRPO_FAULT=torch:save:2:after python -m tests.faults ...    # after the 2nd torch.save
+    CWGRPO_FAULT=torch:save:2:enospc python -m tests.faults ...   # "No space left on device"
 
 CWGRPO_FAULT is module:attribute:N[:mode], the attribute dotted for a method (Class.method) and
-looked up where the caller finds it (cwgrpo calls runtime.append_record, so runtime:append_record;
-Grader is cwgrpo's own class, so cwgrpo:Grader.submit). Modes: kill (before the Nth call; the
+looked up where the caller finds it (RunFolder.log calls run_folder's append_record, so
+cwgrpo_utils.run_folder:append_record; Grader is cwgrpo's own class, so cwgrpo:Grader.submit).
+Modes: kill (before the Nth call; the
 default), after (once it returns), torn (for an append of one JSON record to a file: half the line
 is written, then the kill), enospc (the call raises OSError ENOSPC, as a full disk does). The kill
 is SIGKILL, as from the OOM killer or a preempted job: no handler runs, no file is closed, the
@@ -22,6 +22,8 @@ import json
 import os
 import signal
 import sys
+
+import cwgrpo  # before arming: the fault may patch its names
 
 
 def kill_now() -> None:
@@ -68,10 +70,8 @@ def arm(spec: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        raise SystemExit("usage: CWGRPO_FAULT=module:attribute:N[:mode] python faults.py TOOL ...")
-    tool = importlib.import_module(sys.argv[1])  # before arming: the fault may patch its names
     if os.environ.get("CWGRPO_FAULT"):
         arm(os.environ["CWGRPO_FAULT"])
-    sys.argv = [f"{sys.argv[1]}.py", *sys.argv[2:]]  # what resume_command() prints
-    tool.main(sys.argv[1:])
+    # what resume_command() prints is then the command of python cwgrpo.py, as mimicked here
+    sys.argv, sys.modules["__main__"].__spec__ = [str(cwgrpo.__file__), *sys.argv[1:]], None
+    cwgrpo.main(cwgrpo.parse_config(sys.argv[1:]))

@@ -1,6 +1,6 @@
-"""memory_plan.py: the GPU memory and disk a run will need, from the model's config.json and the
-run's options alone, before anything loads. cwgrpo.py prints it (--plan) and checks it against the
-GPU before a CUDA run; it knows nothing of cwgrpo (it reads the options by their names).
+"""The GPU memory and disk a run will need, from the model's config.json and the run's options
+alone, before anything loads. cwgrpo.py prints it (--plan) and checks it against the GPU before a
+CUDA run; PlanOptions declares the options it reads.
 
 Every item is counted, not guessed (the tests compare each with real allocations on the CPU):
 - weights, gradients and AdamW's two moments: fp32, 4 + 4 + 8 bytes a parameter;
@@ -15,6 +15,7 @@ Every item is counted, not guessed (the tests compare each with real allocations
   card while it samples (its bf16 weights and its KV cache) and sleeps, holding none, in the update.
 """
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from huggingface_hub import hf_hub_download
 
-HERE = Path(__file__).resolve().parent
+SHIPPED_CONFIGS = Path(__file__).resolve().parent / "model_configs"
 GPU_SIZES_GB = (24, 40, 48, 80, 141)  # common cards; 141: the H200
 USABLE = 0.92  # of a card's memory, after the CUDA context and the allocator's fragmentation
 GB = 1e9
@@ -73,7 +74,7 @@ def read_config(model: str) -> dict:
     """config.json of a local folder, of a preset's model (shipped in model_configs/, so the plan
     works offline), or from the hub (or its cache)."""
     local = Path(model) / "config.json"
-    shipped = HERE / "model_configs" / f"{model.replace('/', '--')}.json"
+    shipped = SHIPPED_CONFIGS / f"{model.replace('/', '--')}.json"
     for path in (local, shipped):
         if path.is_file():
             return json.loads(path.read_text())
@@ -86,27 +87,61 @@ def read_config(model: str) -> dict:
         ) from None
 
 
-def rows_and_positions(options: dict) -> tuple[int, int, int, int]:
-    """Rows in the batch, rows sampled at once, rows in a micro-batch, positions per row."""
-    group, prompts = options["group_size"], options["prompts_per_step"]
-    chunk = options.get("rollout_chunk") or prompts
-    positions = options["max_completion_length"] + (
-        options["max_prompt_length"] if options["length_limit"] == "new" else 0
-    )
-    return (
-        prompts * group,
-        min(chunk, prompts) * group,
-        options["groups_per_micro_batch"] * group,
-        positions,
-    )
+@dataclass
+class PlanOptions:
+    """The options of a run the plan reads, by the names cwgrpo.py's Config gives them."""
+
+    group_size: int
+    prompts_per_step: int
+    groups_per_micro_batch: int  # 0: all of a step's groups at once
+    rollout_chunk: int  # prompts sampled at once; 0: all of them
+    max_prompt_length: int
+    max_completion_length: int
+    length_limit: str  # "total": prompt + completion within max_completion_length; "new"
+    beta: float  # 0: no reference model
+    gradient_checkpointing: bool
+    logit_chunk_elements: int
+    rollout: str  # "vllm": an engine holds vllm_gpu_memory_utilization of the card as it samples
+    vllm_gpu_memory_utilization: float
+    steps: int
+    save_every: int
+    save_total_limit: int  # 0: every checkpoint is kept
+
+    @classmethod
+    def of(cls, options) -> "PlanOptions":
+        return cls(**{f.name: getattr(options, f.name) for f in dataclasses.fields(cls)})
+
+    @property
+    def rows(self) -> int:  # completions a step
+        return self.prompts_per_step * self.group_size
+
+    @property
+    def sampled_rows(self) -> int:  # rows sampled at once (the KV cache holds them)
+        return (
+            min(self.rollout_chunk or self.prompts_per_step, self.prompts_per_step)
+            * self.group_size
+        )
+
+    @property
+    def micro_rows(self) -> int:  # rows in one forward and backward pass
+        return (self.groups_per_micro_batch or self.prompts_per_step) * self.group_size
+
+    @property
+    def positions(self) -> int:  # prompt + completion positions a row holds at most
+        new_only = self.length_limit == "new"
+        return self.max_completion_length + self.max_prompt_length * new_only
+
+    @property
+    def engine_share(self) -> float:
+        return self.vllm_gpu_memory_utilization if self.rollout == "vllm" else 0.0
 
 
-def plan(model: str, options: dict, cuda: bool = True) -> dict:
-    """Bytes of each item, the peak of each phase, and the disk, for `model` trained with `options`
-    (cwgrpo's Config as a dict). cuda: bf16 autocast and a bf16 reference, else all fp32."""
+def plan(model: str, options: PlanOptions, cuda: bool = True) -> dict:
+    """Bytes of each item, the peak of each phase, and the disk, for `model` trained in `options`.
+    cuda: bf16 autocast and a bf16 reference, else all fp32."""
     arch = Architecture.from_config(read_config(model))
     n = arch.parameters()
-    rows, sampled_rows, micro_rows, positions = rows_and_positions(options)
+    micro_rows, positions = options.micro_rows, options.positions
     half = 2 if cuda else 4  # bf16 on CUDA (autocast, reference, KV cache), fp32 on the CPU
     matmul_weights = n - (0 if arch.tied else arch.vocab * arch.hidden)  # embeddings are looked up
     tokens = micro_rows * positions
@@ -115,9 +150,9 @@ def plan(model: str, options: dict, cuda: bool = True) -> dict:
     # token's final hidden state (lm_head.py recomputes the logits in backward)
     stream, head = (
         tokens * arch.hidden * 4,
-        micro_rows * options["max_completion_length"] * arch.hidden * 4,
+        micro_rows * options.max_completion_length * arch.hidden * 4,
     )
-    if options["gradient_checkpointing"]:  # each layer's input, the final norm's; one recomputed
+    if options.gradient_checkpointing:  # each layer's input, the final norm's; one recomputed
         saved, recompute = stream * (arch.layers + 2) + tokens * 12 + head, layer
     else:  # every layer's activations, the final norm's and the rotary tables
         rotary = tokens * 4 * (arch.head_dim // 2 + 3)
@@ -126,14 +161,14 @@ def plan(model: str, options: dict, cuda: bool = True) -> dict:
         "weights (fp32)": 4 * n,
         "gradients (fp32)": 4 * n,
         "AdamW moments (fp32)": 8 * n,
-        "reference": half * n if options["beta"] > 0 else 0,
+        "reference": half * n if options.beta > 0 else 0,
         "autocast weight copies (bf16)": 2 * matmul_weights if cuda else 0,
-        "KV cache": sampled_rows * positions * arch.layers * 2 * arch.kv_width * half,
+        "KV cache": options.sampled_rows * positions * arch.layers * 2 * arch.kv_width * half,
         "activations saved for backward": saved,
         "one layer recomputed in backward": recompute,
-        "LM head chunks": 3 * 4 * min(options["logit_chunk_elements"], tokens * arch.vocab),
+        "LM head chunks": 3 * 4 * min(options.logit_chunk_elements, tokens * arch.vocab),
     }
-    engine_share = options["vllm_gpu_memory_utilization"] if options["rollout"] == "vllm" else 0
+    engine_share = options.engine_share
     if engine_share:  # the engine's own: its share of the card, counted per card by fits()
         items["KV cache"] = 0
     resident = items["weights (fp32)"] + items["AdamW moments (fp32)"] + items["reference"]
@@ -141,7 +176,7 @@ def plan(model: str, options: dict, cuda: bool = True) -> dict:
         "rollout": resident
         + items["autocast weight copies (bf16)"] * (not engine_share)
         + items["KV cache"]
-        + sampled_rows * arch.vocab * 4 * 3 * (not engine_share),  # last logits, probs, CDF
+        + options.sampled_rows * arch.vocab * 4 * 3 * (not engine_share),  # logits, probs, CDF
         "update": resident
         + items["gradients (fp32)"]
         + items["autocast weight copies (bf16)"]
@@ -158,7 +193,7 @@ def plan(model: str, options: dict, cuda: bool = True) -> dict:
         "engine_share": engine_share,
         "engine_weights": 2 * n if engine_share else 0,  # bf16, within the engine's share
         "disk": disk(n, options),
-        "rows": rows,
+        "rows": options.rows,
         "positions": positions,
     }
 
@@ -177,11 +212,11 @@ def layer_activation_bytes(arch: Architecture, cuda: bool) -> int:
     return 4 * (6 * h + 2) + 2 * (2 * h + 4 * i + 2 * kv) + 4 * arch.heads + 2 * 5 * h
 
 
-def disk(n: int, options: dict) -> dict:
+def disk(n: int, options: PlanOptions) -> dict:
     """A checkpoint holds the fp32 weights and AdamW's moments; only the newest keeps the moments
     (resume needs no older ones), and --save-total-limit keeps the newest few."""
-    saves = math.ceil(options["steps"] / options["save_every"])
-    kept = min(saves, options.get("save_total_limit") or saves)
+    saves = math.ceil(options.steps / options.save_every)
+    kept = min(saves, options.save_total_limit or saves)
     weights, moments = 4 * n, 8 * n
     return {
         "checkpoint": weights + moments,
@@ -213,7 +248,7 @@ def fits(p: dict) -> tuple[list[int], list[int]]:
     return hold, [size for size in GPU_SIZES_GB if size not in hold]
 
 
-def report(model: str, options: dict) -> str:
+def report(model: str, options: PlanOptions) -> str:
     """--plan's text: parameters, items, phases, disk, and which cards the run fits."""
     p = plan(model, options)
     lines = [
@@ -243,7 +278,7 @@ def sizes(gigabytes: list[int]) -> str:
     return f"{', '.join(map(str, gigabytes))} GB" if gigabytes else "none of them"
 
 
-def check_fit(model: str, options: dict, free_bytes: int, total_bytes: int) -> None:
+def check_fit(model: str, options: PlanOptions, free_bytes: int, total_bytes: int) -> None:
     """Stop before loading when the plan does not fit the GPU's free memory (its total sizes the
     vLLM engine's share): one line naming the largest items and the options that shrink them."""
     p = plan(model, options)

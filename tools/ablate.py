@@ -1,8 +1,8 @@
-"""ablate.py: methods x seeds on one preset, side by side: a table with intervals, and a plot.
+"""Methods x seeds on one preset, side by side: a table with intervals, and a plot.
 
-    python ablate.py                                  # every method, seeds 0-4, the tiny preset
-    python ablate.py --methods cw-readings            # GRPO and the readings of CW-GRPO
-    python ablate.py --methods grpo,cw -- --steps 300 # options after -- go to every run
+    python -m tools.ablate                                  # every method, seeds 0-4, tiny preset
+    python -m tools.ablate --methods cw-readings            # GRPO and the readings of CW-GRPO
+    python -m tools.ablate --methods grpo,cw -- --steps 300 # options after -- go to every run
 
 Each run is `python cwgrpo.py` in its own process and folder (<label>-seed<seed>/), as many at a
 time as there are cores, each with one torch thread and one grading process, so a run here equals
@@ -29,11 +29,11 @@ from typing import Literal
 from tqdm import tqdm
 
 import cwgrpo
-import plots
-import tiny
-from runtime import arg, option_differences, parse_dataclasses
+from cwgrpo_utils import plots, tiny
+from cwgrpo_utils.cli import arg, parse_dataclasses
+from cwgrpo_utils.run_folder import option_differences, read_records
 
-HERE = Path(__file__).resolve().parent
+CWGRPO = Path(cwgrpo.__file__).resolve()
 CW_READINGS = (
     "grpo,cw,cw-detached=cw --cw-detach,cw-paper=cw --cw-reading paper,"
     "cw-gradient-only=cw --cw-reading gradient-only"
@@ -48,7 +48,7 @@ class AblationConfig:
         "all, or cw-readings (GRPO and CW-GRPO's readings)",
     )
     seeds: int = arg(5, "runs per method, with seeds 0 .. seeds-1")
-    preset: Literal["paper-1.5b", "paper-7b", "qwen0.5b-24gb", "tiny"] = arg(
+    preset: Literal[tuple(cwgrpo.PRESETS)] = arg(
         "tiny", "the recipe every run uses; options after -- go to every run"
     )
     output_dir: str = arg(
@@ -97,9 +97,9 @@ def difference(values: list[float], baseline: list[float], digits: int = 3) -> s
     return f"**{text}**" if abs(mean) > half else text  # False for NaN: one seed finds nothing
 
 
-def run_summary(run_dir: Path, threshold: float) -> dict:
+def run_figures(run_dir: Path, threshold: float) -> dict:
     """Per rollout step: accuracy and entropy; the run's first and final figures (10% each)."""
-    every_update = plots.read_records(run_dir / "metrics.jsonl")
+    every_update = read_records(run_dir / "metrics.jsonl")
     records = [r for r in every_update if r["update_pass"] == 0]  # one per rollout step
     summary = {
         "accuracy": [r["accuracy_mean"] for r in records],
@@ -136,16 +136,22 @@ def run_arguments(
     ]
 
 
-def changed_runs(runs: list, methods: dict, acfg: AblationConfig, run_args: list) -> dict:
+def run_configs(runs: list, methods: dict, acfg: AblationConfig, run_args: list) -> dict:
+    """Every run's Config, parsed before any run starts: a typo in the options, or a value out of
+    range, stops here in one line, with no folder made; an option a method ignores is noted."""
+    return {
+        run_dir: cwgrpo.parse_config(run_arguments(methods[label], seed, run_dir, acfg, run_args))
+        for label, seed, run_dir in runs
+    }
+
+
+def changed_runs(configs: dict) -> dict:
     """The runs already in the folder whose recorded options are not the ones asked for now,
     each with what differs (a finished 10-step run is not a 30-step one)."""
     changed = {}
-    for label, seed, run_dir in runs:
+    for run_dir, asked in configs.items():
         if (run_dir / "run_config.json").is_file():
             recorded = json.loads((run_dir / "run_config.json").read_text())
-            asked = cwgrpo.parse_config(
-                run_arguments(methods[label], seed, run_dir, acfg, run_args)
-            )
             differences = option_differences(recorded, dataclasses.asdict(asked))
             if differences:
                 changed[run_dir] = f"{run_dir.name} ({'; '.join(differences)})"
@@ -159,7 +165,7 @@ def run_one(
         return  # finished by an earlier invocation, with these options (changed_runs checked)
     command = [
         sys.executable,
-        str(HERE / "cwgrpo.py"),
+        str(CWGRPO),
         *run_arguments(options, seed, run_dir, acfg, run_args),
     ]
     if (run_dir / "metrics.jsonl").exists():
@@ -181,20 +187,20 @@ def run_one(
 def ablate(argv: list) -> Path:
     split = argv.index("--") if "--" in argv else len(argv)
     own, run_args = argv[:split], argv[split + 1 :]
-    (acfg,) = parse_dataclasses(AblationConfig, own, prog="ablate.py")
+    (acfg,), _ = parse_dataclasses(AblationConfig, own, prog="python -m tools.ablate")
     methods = parse_methods(acfg.methods)
     if acfg.plot:
         plots.pyplot()  # fail now, not after the runs, if matplotlib is missing
-    if acfg.preset == "tiny" and "--model" not in run_args:
-        tiny.build()
     output_dir = Path(acfg.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
     runs = [
         (label, seed, output_dir / f"{label}-seed{seed}")
         for label in methods
         for seed in range(acfg.seeds)
     ]
-    changed = changed_runs(runs, methods, acfg, run_args)
+    configs = run_configs(runs, methods, acfg, run_args)
+    tiny.build_if_missing(configs[runs[0][2]].model)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    changed = changed_runs(configs)
     if changed and not acfg.rerun_changed:
         raise SystemExit(
             f"error: {len(changed)} runs in {output_dir} were made with other options: "
@@ -212,10 +218,11 @@ def ablate(argv: list) -> Path:
         for job in tqdm(jobs, desc="ablation"):
             job.result()
     summaries = {
-        label: [run_summary(d, acfg.threshold) for lb, _, d in runs if lb == label]
+        label: [run_figures(d, acfg.threshold) for lb, _, d in runs if lb == label]
         for label in methods
     }
     table = ablation_table(summaries, methods, acfg, run_args, workers)
+    print(table)
     for stem in filter(None, (output_dir / "ablation", acfg.publish and Path(acfg.publish))):
         Path(stem).parent.mkdir(parents=True, exist_ok=True)
         Path(f"{stem}.md").write_text(table)
@@ -228,6 +235,7 @@ def ablate(argv: list) -> Path:
                 },
                 f"preset {acfg.preset}: mean over {acfg.seeds} seeds, band: 95% interval",
             )
+        print(f"written: {stem}.md" + f" and {stem}.png" * acfg.plot)
     return output_dir
 
 
@@ -238,7 +246,7 @@ def ablation_table(
     baseline = summaries.get("grpo")
     run_minutes = sum(r["wall_s"] for runs in summaries.values() for r in runs) / 60
     lines = [
-        f"`python ablate.py --methods {shlex.quote(acfg.methods)} --seeds {seeds} --preset "
+        f"`python -m tools.ablate --methods {shlex.quote(acfg.methods)} --seeds {seeds} --preset "
         f"{acfg.preset}{options}`: {len(methods) * seeds} runs, {run_minutes:.1f} minutes of "
         f"run time in all, {workers} at a time.",
         "",
@@ -284,4 +292,4 @@ def ablation_table(
 
 
 if __name__ == "__main__":
-    print(f"done: {ablate(sys.argv[1:])}")
+    ablate(sys.argv[1:])

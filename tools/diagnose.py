@@ -1,10 +1,10 @@
-"""diagnose.py: the measurements the three papers argue from, on any model, through the training
-code's sampling and loss (docs/math.md, "Diagnostics").
+"""The measurements the three papers argue from, on any model, through the training code's
+sampling and loss (docs/math.md, "Diagnostics").
 
-    python diagnose.py batch --preset tiny --model runs/grpo-tiny-seed0/final-model \\
-        --reference-model runs/tiny-base/model        # one rollout batch: diagnostics.{md,json}
-    python diagnose.py train --every 15 --method cw --preset tiny   # training, measuring as it goes
-    python diagnose.py plot --runs runs/cw-tiny-seed0 runs/grpo-tiny-seed0 --output diag.png
+    python -m tools.diagnose batch --preset tiny --model runs/grpo-tiny-seed0/final-model \\
+        --reference-model runs/tiny-base/model      # one rollout batch: diagnostics.{md,json}
+    python -m tools.diagnose train --every 15 --method cw --preset tiny  # measuring as it trains
+    python -m tools.diagnose plot --runs runs/cw-tiny-seed0 runs/grpo-tiny-seed0 --output d.png
 
 - Covariance concentration (CW-GRPO): the mean covariance score of the top 0.01% ... 100% of the
   positive scores, and of the negative ones.
@@ -25,11 +25,10 @@ import torch.nn.functional as F
 import transformers
 
 import cwgrpo
-import loading
-import plots
-import runtime
-import vllm_engine
-from lm_head import squared_probability_mass
+from cwgrpo_utils import checkpoints, loading, plots
+from cwgrpo_utils.cli import arg, parse_dataclasses
+from cwgrpo_utils.lm_head import squared_probability_mass
+from cwgrpo_utils.run_folder import append_record, keep_records_until
 
 CONCENTRATION_CUTOFFS = (0.0001, 0.001, 0.01, 0.1, 1.0)  # top 0.01% ... 100% of one side
 PAPER_CONCENTRATION = {0.0001: (11.5, -13.6), 1.0: (0.06, -0.04)}  # CW-GRPO, R1-Distill-1.5B
@@ -37,19 +36,19 @@ PAPER_CONCENTRATION = {0.0001: (11.5, -13.6), 1.0: (0.06, -0.04)}  # CW-GRPO, R1
 
 @dataclass
 class BatchConfig:
-    reference_model: str = cwgrpo.arg(
+    reference_model: str = arg(
         "",
         "the KL reference (e.g. runs/tiny-base/model); default "
         "the model itself, which makes the KL part 0",
     )
-    diagnostics_dir: str = cwgrpo.arg(
+    diagnostics_dir: str = arg(
         "", "where diagnostics.md and .json go (default <model>/diagnostics)"
     )
 
 
 @dataclass
 class TrainConfig:
-    every: int = cwgrpo.arg(
+    every: int = arg(
         15, "append the diagnostics to diagnostics.jsonl every this many rollout steps"
     )
 
@@ -57,7 +56,7 @@ class TrainConfig:
 @dataclass
 class PlotConfig:
     runs: list[str] = dataclasses.field(metadata={"help": "run folders with diagnostics.jsonl"})
-    output: str = cwgrpo.arg("diagnostics.png", "the figure to write")
+    output: str = arg("diagnostics.png", "the figure to write")
 
 
 def concentration(scores: torch.Tensor) -> dict:
@@ -137,7 +136,11 @@ def scatter_valid(flat: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 def diagnose_rollout(model, rollout: cwgrpo.Rollout, cfg: cwgrpo.Config, autocast) -> dict:
     """The papers' measurements on one scored rollout batch (ref_logp set when beta > 0), through
     the training loss. Restores the RNG and leaves no gradient: training goes on unchanged."""
-    rng = runtime.rng_states()
+    with checkpoints.rng_kept():
+        return measure_rollout(model, rollout, cfg, autocast)
+
+
+def measure_rollout(model, rollout: cwgrpo.Rollout, cfg: cwgrpo.Config, autocast) -> dict:
     logp, squared_mass = logp_and_squared_mass(model, rollout, cfg)
     mask, valid = rollout.completion_mask, rollout.completion_mask.bool()
     groups = [slice(i, i + cfg.group_size) for i in range(0, len(rollout.texts), cfg.group_size)]
@@ -190,7 +193,6 @@ def diagnose_rollout(model, rollout: cwgrpo.Rollout, cfg: cwgrpo.Config, autocas
                 "param_grad_norm": gradients["norm"][i],
                 "cosine_with_full": gradients["cosine_with_full"][i],
             }
-    runtime.set_rng_states(rng)
     return report
 
 
@@ -273,26 +275,21 @@ def diagnostics_markdown(report: dict, cfg: cwgrpo.Config, source: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-# Options of a training run that one diagnosed batch has no use for: left out of batch --help
-TRAINING_ONLY = (
-    "resume",
-    "overwrite_output_dir",
-    "steps",
-    "save_every",
-    "log_every",
-    "output_dir",
-    "learning_rate",
-    "min_lr_ratio",
-    "warmup_ratio",
-    "weight_decay",
-    "max_grad_norm",
-)
+# Options of a training run that one diagnosed batch has no use for: out of its --help, refused
+TRAINING_ONLY = ("resume", "overwrite_output_dir", "steps", "save_every", "save_total_limit")
+TRAINING_ONLY += ("log_every", "output_dir", "learning_rate", "min_lr_ratio", "warmup_ratio")
+TRAINING_ONLY += ("weight_decay", "max_grad_norm", "num_iterations")
 
 
-def batch(argv: list) -> Path:
+def batch(argv: list) -> Path | None:
     """The diagnostics of one rollout batch sampled from --model with the run's settings."""
-    cfg, bcfg = cwgrpo.parse_config(argv, BatchConfig, hidden=TRAINING_ONLY)
-    device = runtime.resolve_device(
+    prog = "python -m tools.diagnose batch"
+    cfg, bcfg = cwgrpo.parse_config(argv, BatchConfig, hidden=TRAINING_ONLY, prog=prog)
+    if cfg.plan:  # the memory a run's step needs: the batch's sampling and gradients, as here
+        return cwgrpo.main(cfg)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    device = loading.resolve_device(
         cfg.device, cfg.preset if cfg.preset in cwgrpo.GPU_PRESETS else ""
     )
     for path in filter(None, (cfg.model, bcfg.reference_model)):
@@ -300,18 +297,20 @@ def batch(argv: list) -> Path:
     transformers.utils.logging.disable_progress_bar()
     tokenizer = loading.load_tokenizer(cfg.model)
     model = loading.load_model(cfg.model, torch.float32, device)
+    if cfg.gradient_checkpointing:
+        loading.enable_checkpointing(model)
     reference = (
         loading.load_reference(bcfg.reference_model or cfg.model, device) if cfg.beta > 0 else None
     )
-    autocast = runtime.bf16_autocast(device)
+    autocast = loading.autocast(device)
     torch.manual_seed(cfg.seed)
-    prompts = loading.PromptStream(
+    prompts = cwgrpo.PromptStream(
         loading.load_dataset(cfg.dataset, cfg.dataset_split, cfg.question_column, cfg.gold_column),
         tokenizer,
         cfg,
     )
-    engine = vllm_engine.for_run(dataclasses.asdict(cfg), device) if cfg.rollout == "vllm" else None
-    grader = cwgrpo.Grader(cfg.reward_timeout_s, cwgrpo.reward_worker_count(cfg))
+    engine = cwgrpo.vllm_engine(cfg, device)
+    grader = cwgrpo.Grader(cfg.reward_timeout_s, cfg.reward_workers)
     with autocast():
         batch_prompts = prompts.next_batch(cfg.prompts_per_step)
         rollout = cwgrpo.sample(model, tokenizer, batch_prompts, cfg, engine)
@@ -327,14 +326,16 @@ def batch(argv: list) -> Path:
     out = Path(bcfg.diagnostics_dir or Path(cfg.model) / "diagnostics")
     out.mkdir(parents=True, exist_ok=True)
     (out / "diagnostics.json").write_text(json.dumps(report, indent=1))
-    (out / "diagnostics.md").write_text(diagnostics_markdown(report, cfg, cfg.model))
+    table = diagnostics_markdown(report, cfg, cfg.model)
+    (out / "diagnostics.md").write_text(table)
+    print(f"{table}\nwritten: {out / 'diagnostics.md'} and {out / 'diagnostics.json'}")
     return out
 
 
-def train(argv: list) -> Path:
+def train(argv: list) -> None:
     """cwgrpo's training run, appending the diagnostics to diagnostics.jsonl every --every steps.
     The hook restores the RNG and the gradients, so the run's metrics are those of a plain run."""
-    cfg, tcfg = cwgrpo.parse_config(argv, TrainConfig)
+    cfg, tcfg = cwgrpo.parse_config(argv, TrainConfig, prog="python -m tools.diagnose train")
     if not {"--output-dir", "--output_dir"} & {a.split("=")[0] for a in argv}:
         cfg.output_dir = (
             f"runs/diagnose-{cfg.method}-{cfg.preset}-seed{cfg.seed}"  # not a plain run's
@@ -344,21 +345,21 @@ def train(argv: list) -> Path:
     def on_rollout(step, model, rollout, autocast):
         if step % tcfg.every == 0:
             report = diagnose_rollout(model, rollout, cfg, autocast)
-            runtime.append_record(path, {"rollout_step": step, **report})
+            append_record(path, {"rollout_step": step, **report})
 
     if cfg.resume:
-        runtime.keep_records_until(path, resumed_step(Path(cfg.output_dir)))
-    return cwgrpo.train(cfg, on_rollout=on_rollout)
+        keep_records_until(path, resumed_step(Path(cfg.output_dir)))
+    return cwgrpo.main(cfg, on_rollout)
 
 
 def resumed_step(output_dir: Path) -> int:
-    checkpoint = runtime.latest_checkpoint(output_dir)
-    return 0 if checkpoint is None else runtime.checkpoint_step(checkpoint)
+    checkpoint = checkpoints.latest_checkpoint(output_dir)
+    return 0 if checkpoint is None else checkpoints.checkpoint_step(checkpoint)
 
 
 def plot(argv: list) -> Path:
     """Entropy and the top-0.01% covariance over training steps, several runs on one figure."""
-    (pcfg,) = runtime.parse_dataclasses(PlotConfig, argv, prog="diagnose.py plot")
+    (pcfg,), _ = parse_dataclasses(PlotConfig, argv, prog="python -m tools.diagnose plot")
     runs, top = {}, str(CONCENTRATION_CUTOFFS[0])
     for run in map(Path, pcfg.runs):
         if not (run / "diagnostics.jsonl").is_file():
@@ -376,6 +377,7 @@ def plot(argv: list) -> Path:
             [d["concentration"]["negative"][top] for d in found],
         )
     plots.plot_diagnostics(Path(pcfg.output), runs)
+    print(f"written: {pcfg.output}")
     return Path(pcfg.output)
 
 
@@ -383,7 +385,7 @@ COMMANDS = {"batch": batch, "train": train, "plot": plot}
 
 if __name__ == "__main__":
     if sys.argv[1:2] and sys.argv[1] in COMMANDS:
-        print(f"done: {COMMANDS[sys.argv[1]](sys.argv[2:])}")
+        COMMANDS[sys.argv[1]](sys.argv[2:])
     else:
         commands = "\n".join(
             f"  {name:6s} {fn.__doc__.splitlines()[0]}" for name, fn in COMMANDS.items()

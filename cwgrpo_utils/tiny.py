@@ -1,7 +1,7 @@
-"""tiny.py: the tiny preset's model and data, built once so that cwgrpo.py trains it like any other.
+"""The tiny preset's model and data, built once so that cwgrpo.py trains it like any other.
 
-    python cwgrpo.py --method cw --preset tiny    # builds it on first use, then trains it
-    python tiny.py --overwrite                    # rebuilds runs/tiny-base/{model,arithmetic.jsonl}
+    python cwgrpo.py --method cw --preset tiny        # builds it on first use, then trains it
+    python -m cwgrpo_utils.tiny --overwrite           # rebuilds it
 
 A Qwen2 of 115k parameters with Qwen2's byte-level tokenizer (256 byte tokens and the ChatML
 specials), given a few seconds of supervised warm-start on a synthetic task: single-digit sums
@@ -24,8 +24,19 @@ from tqdm import tqdm
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from loading import chat_prompt_ids
-from runtime import arg, parse_dataclasses, save_checkpoint
+from cwgrpo_utils import REPOSITORY, TINY_BASE
+from cwgrpo_utils.checkpoints import save_checkpoint
+from cwgrpo_utils.cli import arg, parse_dataclasses, shown_path
+
+BENCHMARK = REPOSITORY / "benchmarks" / "tiny-arithmetic.jsonl"
+
+
+def evaluate_options() -> tuple[str, ...]:
+    """evaluate.py's options for a tiny model: its benchmark, bare questions, plain sampling."""
+    prompts = ("--gold-format", "expr", "--prompt-template", "{question}")
+    sampling = ("--top-p", "1.0", "--max-new-tokens", "40")
+    return ("--benchmarks", shown_path(BENCHMARK), *prompts, *sampling)
+
 
 CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -35,7 +46,7 @@ CHATML_TEMPLATE = (
 
 @dataclass
 class TinyConfig:
-    output_dir: str = arg("runs/tiny-base", "gets model/ and arithmetic.jsonl")
+    output_dir: str = arg(str(TINY_BASE), "gets model/ and arithmetic.jsonl")
     seed: int = arg(0, "seed of the model's initialisation, the data and the warm-start")
     warmstart_steps: int = arg(250, "supervised steps of 32 examples before RL")
     examples: int = arg(2000, "synthetic problems in arithmetic.jsonl")
@@ -105,8 +116,10 @@ def warm_start(model, tokenizer, questions: list[str], steps: int) -> None:
     """Next-token cross-entropy on reference completions: the format, and some of the sums."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     examples = []
-    for question in questions:
-        prompt = chat_prompt_ids(tokenizer, question, "")
+    for question in questions:  # as cwgrpo.py's prompts without a system prompt
+        chat = [{"role": "user", "content": question}]
+        prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)
+        prompt = prompt["input_ids"]
         for target in warmstart_targets(question):
             answer = tokenizer(target, add_special_tokens=False)["input_ids"]
             examples.append((prompt + answer + [tokenizer.eos_token_id], len(prompt)))
@@ -126,7 +139,7 @@ def warm_start(model, tokenizer, questions: list[str], steps: int) -> None:
 
 
 def build(
-    output_dir: str = "runs/tiny-base",
+    output_dir: str = str(TINY_BASE),
     seed: int = 0,
     warmstart_steps: int = 250,
     examples: int = 2000,
@@ -155,7 +168,7 @@ def build(
         and json.loads(made_with.read_text()) == settings
     ):
         return out  # built already, with these settings and this task
-    print(f"building the tiny preset's model and data in {out} ...", flush=True)
+    print(f"building the tiny preset's model and data in {shown_path(out)} ...", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     data = arithmetic_dataset(seed, examples, max_operand)
     with (out / "arithmetic.jsonl").open("w") as f:
@@ -171,8 +184,14 @@ def build(
     return out
 
 
+def build_if_missing(model: str) -> None:
+    """The tiny preset's model and data, built on its first use in this clone."""
+    if Path(model) == TINY_BASE / "model" and not Path(model).exists():
+        build()
+
+
 if __name__ == "__main__":
-    (tcfg,) = parse_dataclasses(TinyConfig, sys.argv[1:], description=__doc__.split("\n\n")[0])
+    (tcfg,), _ = parse_dataclasses(TinyConfig, sys.argv[1:], description=__doc__.split("\n\n")[0])
     out = build(**dataclasses.asdict(tcfg))
     print(
         f"ready: {out / 'model'} and {out / 'arithmetic.jsonl'}; train it with "

@@ -1,17 +1,15 @@
-"""plots.py: what cwgrpo shows a person: its figures, the token page, a run's summary, and the
-intervals they draw. It knows nothing of cwgrpo (cwgrpo.py's loop calls it) and loads matplotlib
-only when it draws, so `import cwgrpo` stays free of plotting libraries."""
+"""What cwgrpo shows a person: a run's curves and summary, the ablation's and the diagnostics'
+figures, and the intervals they draw. matplotlib is loaded only when something is drawn, so
+`import cwgrpo` loads no plotting library."""
 
-import codecs
-import html
-import json
 import math
 import statistics
 from pathlib import Path
 
-from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-from runtime import checkpoint_step, checkpoints, never_fatal, read_records
+from cwgrpo_utils import token_page
+from cwgrpo_utils.checkpoints import checkpoint_step, checkpoints
+from cwgrpo_utils.cli import shown_path
+from cwgrpo_utils.run_folder import never_fatal, read_records
 
 
 def pyplot():
@@ -63,9 +61,23 @@ def interval(values: list[float]) -> tuple[float, float]:
     return mean, t * statistics.stdev(values) / math.sqrt(len(values))
 
 
+# The values a curve can take: an interval for its mean is cut to them (a Student-t interval over
+# two seeds is wide, and accuracy below 0 or entropy below 0 is nothing a run can show)
+METRIC_RANGES = {"accuracy": (0.0, 1.0), "entropy": (0.0, math.inf)}
+
+
+def band(mean: list[float], half: list[float], key: str) -> tuple[list[float], list[float]]:
+    """The lower and upper edges of mean ± half, within the metric's range."""
+    low, high = METRIC_RANGES.get(key, (-math.inf, math.inf))
+    return [max(low, m - h) for m, h in zip(mean, half)], [
+        min(high, m + h) for m, h in zip(mean, half)
+    ]
+
+
 def plot_ablation(path: Path, curves: dict, title: str) -> None:
     """Curves per method, side by side: the mean over seeds of the 10-step moving average, with
-    its 95% interval as a band. curves: method -> {panel name: [one list per seed]}."""
+    its 95% interval as a band, cut to the metric's range. curves: method -> {panel name: [one
+    list per seed]}."""
     plt = pyplot()
     panels = list(next(iter(curves.values())))
     figure, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8))
@@ -77,13 +89,7 @@ def plot_ablation(path: Path, curves: dict, title: str) -> None:
             mean, half = zip(*(interval(list(values)) for values in zip(*smoothed)))
             steps = range(1, length + 1)
             (line,) = axis.plot(steps, mean, label=method, linewidth=1.2)
-            axis.fill_between(
-                steps,
-                [m - h for m, h in zip(mean, half)],
-                [m + h for m, h in zip(mean, half)],
-                color=line.get_color(),
-                alpha=0.12,
-            )
+            axis.fill_between(steps, *band(mean, half, key), color=line.get_color(), alpha=0.12)
     for axis, key in zip(axes, panels):
         axis.set(xlabel="rollout step", ylabel=f"{key} (10-step mean)")
         axis.grid(alpha=0.3)
@@ -151,6 +157,22 @@ def first_to_last(records: list[dict], key: str) -> tuple[float, float]:
 SUMMARY_KEYS = ("reward_mean", "accuracy_mean", "format_mean", "entropy_mean", "kl_mean")
 
 
+def run_header(cfg) -> str:
+    """What a run is about to do, in two lines, from its Config."""
+    model, data = shown_path(cfg.model), shown_path(cfg.dataset)
+    header = f"cwgrpo: --method {cfg.method} on {model}, data {data}\n  "
+    header += f"{cfg.prompts_per_step} prompts x G = {cfg.group_size} per step, {cfg.steps} steps, "
+    header += f"beta {cfg.beta:g}, lr {cfg.learning_rate:g}, temperature {cfg.temperature:g}; "
+    return header + f"output {cfg.output_dir}"
+
+
+# metrics.jsonl's counts of completions that scored 0 whatever they said: the run warns of them
+GRADING_PROBLEMS = {
+    "gold_unparseable": "completions graded against a gold math-verify cannot parse",
+    "grading_timeouts": "gradings cut off (--reward-timeout-s or math-verify's own 5 s)",
+}
+
+
 def run_summary(output_dir: Path, wall_s: float, temperature: float, evaluate_command: str) -> str:
     """What a run did, in a few lines: first -> last 10% of each curve, its wall time, and where
     its checkpoints, final model and pictures are."""
@@ -162,6 +184,11 @@ def run_summary(output_dir: Path, wall_s: float, temperature: float, evaluate_co
     for key in SUMMARY_KEYS:
         first, last = first_to_last(records, key)
         out.append(f"  {key.removesuffix('_mean'):9s} {first:8.3f} -> {last:.3f}")
+    batches = {r["rollout_step"]: r for r in records}.values()  # a batch's grades, counted once
+    problems = {what: sum(r.get(key, 0) for r in batches) for key, what in GRADING_PROBLEMS.items()}
+    if any(problems.values()):
+        counts = ", ".join(f"{n} {what}" for what, n in problems.items() if n)
+        out.append(f"  grading: {counts} (scored 0)")
     kept = sorted(checkpoints(output_dir), key=checkpoint_step)
     return "\n".join(
         out
@@ -209,138 +236,6 @@ def plot_run(metrics_path: Path, path: Path, title: str) -> None:
     plt.close(figure)
 
 
-TOKEN_PAGE_STYLE = """
-body { font: 14px/1.5 system-ui, sans-serif; margin: 1.5em; max-width: 70em; color: #222; }
-.completion { font-family: ui-monospace, monospace; white-space: pre-wrap; border: 1px solid #ddd;
-  padding: .5em; margin: .4em 0; }
-.t { border-radius: 2px; }
-.touched { text-decoration: underline dotted 2px; }
-.legend span { display: inline-block; padding: 0 .5em; margin-right: .3em; }
-.meta { color: #666; font-size: 12px; }
-"""
-
-TOKEN_PAGE_SCRIPT = """
-const data = JSON.parse(document.getElementById("data").textContent);
-function colour(w) {
-  if (w === 0) return "#bbbbbb";
-  if (w < 1) { const a = Math.min(1, 1 - w); return `rgba(40, 100, 230, ${0.15 + 0.7 * a})`; }
-  if (w > 1) { const a = Math.min(1, (w - 1) / 2); return `rgba(240, 140, 20, ${0.15 + 0.7 * a})`; }
-  return "transparent";
-}
-function show(method) {
-  for (const [v, view] of data.views.entries()) {
-    document.querySelectorAll(`[data-view="${v}"] .t`).forEach(span => {
-      const [i, t] = span.dataset.it.split(",").map(Number);
-      const w = view.weights[method][i][t], touched = view.touched[method][i][t];
-      span.style.background = colour(w);
-      span.classList.toggle("touched", touched === 1);
-      span.title = `p = ${view.prob[i][t].toPrecision(3)}, covariance score = ` +
-        `${view.cov[i][t].toPrecision(3)}, advantage = ${view.adv[i].toPrecision(3)}, ` +
-        `${method} weight = ${w.toPrecision(3)}${touched ? " (touched)" : ""}`;
-    });
-  }
-}
-document.getElementById("method").addEventListener("change", e => show(e.target.value));
-show(data.method);
-"""
-
-
-def token_view(
-    label: str, tokenizer, completion_ids, mask, logp, cov, adv, weights: dict, touched: dict
-) -> dict:
-    """One step's view for token_page, from a group's (G, T) tensors: the shown completions'
-    tokens (as many as completion_ids has), each token's probability, covariance score and every
-    method's weight and touched flag, and each completion's advantage; rounded to 4 digits."""
-    lengths = mask.sum(1).long().tolist()[: len(completion_ids)]
-
-    def rows(values) -> list[list[float]]:
-        return [[float(f"{v:.4g}") for v in row[:n].tolist()] for row, n in zip(values, lengths)]
-
-    return {
-        "label": label,
-        "tokens": [
-            token_texts(tokenizer, ids[:n].tolist()) for ids, n in zip(completion_ids, lengths)
-        ],
-        "prob": rows(logp.exp()),
-        "cov": rows(cov),
-        "adv": [round(a, 4) for a in adv[: len(lengths)].tolist()],
-        "weights": {k: rows(w) for k, w in weights.items()},
-        "touched": {k: rows(t.int()) for k, t in touched.items()},
-    }
-
-
-def token_texts(tokenizer, ids: list[int]) -> list[str]:
-    """Each token's text. A byte-level BPE token can hold part of a UTF-8 character, which alone
-    decodes to U+FFFD; an incremental decoder gives the character to the token that completes it,
-    and the tokens before it show a middle dot."""
-    byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
-    pieces = tokenizer.convert_ids_to_tokens(ids)
-    if not all(isinstance(p, str) and all(ch in byte_of for ch in p) for p in pieces):
-        return [tokenizer.decode([t]) for t in ids]  # not byte-level: decode token by token
-    special = set(tokenizer.all_special_ids)
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    texts = []
-    for token, piece in zip(ids, pieces):
-        if token in special:
-            texts.append(tokenizer.decode([token]))
-            continue
-        texts.append(decoder.decode(bytes(byte_of[ch] for ch in piece)) or "\u00b7")
-    return texts
-
-
-def token_page(
-    path: Path, title: str, method: str, methods: dict, views: list[dict], note: str = ""
-) -> None:
-    """A self-contained page of sampled completions, each token coloured by the weight a method
-    gives it; a selector shows any other method on the same tokens. views: one per step, each
-    {"label", "tokens" (a list of token strings per completion), "prob", "cov" (per token),
-    "adv" (per completion), "weights" and "touched" (method -> per token)}. Token text is model
-    output, so it is escaped; the data travels as JSON with "</" escaped."""
-    body = []
-    for v, view in enumerate(views):
-        body.append(f'<h2>{html.escape(view["label"])}</h2><div data-view="{v}">')
-        for i, tokens in enumerate(view["tokens"]):
-            spans = "".join(
-                f'<span class="t" data-it="{i},{t}">{html.escape(token)}</span>'
-                for t, token in enumerate(tokens)
-            )
-            body.append(
-                f'<p class="meta">completion {i + 1}, advantage '
-                f'{view["adv"][i]:+.3f}</p><div class="completion">{spans}</div>'
-            )
-        body.append("</div>")
-    options = "".join(
-        f'<option value="{html.escape(name)}"{" selected" * (name == method)}>'
-        f"{html.escape(name)}: {html.escape(about)}</option>"
-        for name, about in methods.items()
-    )
-    data = json.dumps(
-        {
-            "method": method,
-            "views": [
-                {k: view[k] for k in ("prob", "cov", "adv", "weights", "touched")} for view in views
-            ],
-        },
-        separators=(",", ":"),
-    ).replace("</", "<\\/")
-    legend = (
-        '<p class="legend"><span style="background:rgba(40,100,230,.6)">w &lt; 1: turned '
-        'down</span><span style="border:1px solid #ccc">w = 1</span><span style="background:'
-        'rgba(240,140,20,.6)">w &gt; 1: turned up</span><span style="background:#bbb">w = 0: '
-        'silenced</span><span class="touched">dotted underline: loss changed by the method</span>'
-        " Hover a token for its probability, covariance score, advantage and weight. A middle "
-        "dot is a token holding the first bytes of a character the next token completes."
-        f"{' ' + html.escape(note) if note else ''}</p>"
-    )
-    Path(path).write_text(
-        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>'
-        f"{html.escape(title)}</title><style>{TOKEN_PAGE_STYLE}</style></head><body>"
-        f'<h1>{html.escape(title)}</h1><p><label>Weights of <select id="method">{options}'
-        f'</select></label></p>{legend}{"".join(body)}<script type="application/json" id="data">'
-        f"{data}</script><script>{TOKEN_PAGE_SCRIPT}</script></body></html>\n"
-    )
-
-
 def draw_run(
     output_dir: Path, title: str, method: str, methods: dict, views: list[dict], note: str = ""
 ) -> None:
@@ -349,4 +244,4 @@ def draw_run(
     with never_fatal("draw curves.png"):
         plot_run(output_dir / "metrics.jsonl", output_dir / "curves.png", title)
     with never_fatal("write tokens.html"):
-        token_page(output_dir / "tokens.html", title, method, methods, views, note)
+        token_page.write(output_dir / "tokens.html", title, method, methods, views, note)

@@ -1,6 +1,7 @@
-"""cwgrpo_verl.py against verl: the registry, the same losses as cwgrpo.py, and verl's own
+"""cwgrpo_verl against verl: the registry, the same losses as cwgrpo.py, and verl's own
 clip_cov/kl_cov.
 
+Run: python -m pytest -q cwgrpo_verl   (in a venv with verl; cwgrpo_verl/README.md)
 Skipped where verl is not installed; CI runs it in its own venv with verl pinned (see .ci/run).
 """
 
@@ -19,7 +20,7 @@ from verl.utils.config import omega_conf_to_dataclass  # noqa: E402
 import cwgrpo  # noqa: E402
 import cwgrpo_verl  # noqa: E402
 
-HERE = Path(__file__).parent
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def verl_config(**policy_loss):
@@ -70,7 +71,7 @@ def test_verl_loads_the_module_through_its_external_module_hook():
     env = {
         **os.environ,
         "VERL_USE_EXTERNAL_MODULES": "cwgrpo_verl",
-        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
@@ -113,7 +114,8 @@ def test_registered_loss_equals_cwgrpos_loss_path(name, mode):
         update_pass=0,
     )
     terms = cwgrpo.METHODS[method].token_terms(group, cfg)
-    per_token = cwgrpo.token_loss(ours, old, None, adv, terms, cfg)
+    clip = cwgrpo.METHODS[method].clip
+    per_token = cwgrpo.token_loss(ours, old, None, adv, terms, cfg, clip)
     loss = cwgrpo.aggregate(per_token, mask, mode, len(mask), int(mask.sum()))
     loss.backward()
     torch.testing.assert_close(verl_loss, loss.detach(), rtol=1e-5, atol=1e-6)

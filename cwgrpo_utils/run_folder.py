@@ -1,0 +1,327 @@
+"""A run's output folder for as long as the run lives: the lock, the stop signals, the resume
+policy, run_config.json and metrics.jsonl, and the run's progress and warnings.
+
+    with RunFolder(path, options, resume, overwrite, may_change) as run:
+        run.start(record)        # run_config.json, and on resume the records after it dropped
+        run.log(metrics)         # one line of metrics.jsonl per optimizer step
+        if run.stop.requested:   # Ctrl-C or SIGTERM: finish the step, checkpoint, exit
+                                 # (a second one: at once, the step lost)
+
+A live run holds an flock on its folder, which the kernel releases when the run dies, even by
+kill -9, so a dead run never blocks --resume. A resume continues the newest complete checkpoint
+with the run's own options.
+"""
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from cwgrpo_utils import checkpoints
+from cwgrpo_utils.cli import warn_once
+
+
+class RunFolder:
+    """The folder of one run, locked and prepared; see the module's docstring."""
+
+    def __init__(self, path, options: dict, resume: bool, overwrite: bool, may_change: tuple):
+        self.path, self.options, self.may_change = Path(path), options, may_change
+        self.resume, self.overwrite = resume, overwrite
+        self.metrics = self.path / "metrics.jsonl"
+
+    def __enter__(self) -> "RunFolder":
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(RunLock(self.path))
+            self.stop = stack.enter_context(StopRequest())
+            self.resume_from = resumable_checkpoint(self.path, self.resume)
+            self.recorded = None
+            if self.resume_from is not None:
+                self.recorded = check_resume(self.resume_from, self.options, self.may_change)
+            self.held = stack.pop_all()
+        return self
+
+    def __exit__(self, *exc_info):
+        self.held.__exit__(*exc_info)
+        if exc_info[0] is KeyboardInterrupt:  # a second stop signal, mid-step
+            message = (
+                "interrupted: the step under way is lost; resume from the last checkpoint with"
+            )
+            raise SystemExit(f"{message}: {checkpoints.resume_command()}") from None
+
+    def finished(self, steps: int) -> bool:
+        """A resumed run that has done its `steps` and written its final model says so; one
+        extended to more steps says what that changes."""
+        if self.resume_from is None:
+            return False
+        done = checkpoints.checkpoint_step(self.resume_from)
+        if done >= steps and (self.path / "final-model").is_dir():
+            print(f"nothing to do: {self.path} has finished its {done} steps", end="")
+            print(" (a larger --steps extends it)")
+            return True
+        if self.recorded["steps"] != steps:
+            print(
+                f"note: --steps {steps} (was {self.recorded['steps']}): the cosine learning-rate "
+                f"schedule is recomputed over the new total"
+            )
+        return False
+
+    def start(self, record: dict) -> None:
+        """run_config.json holds `record` (a resume adds what it changed under "resumes"), and
+        metrics.jsonl keeps only the records up to the checkpoint resumed from."""
+        prepare_output_dir(self.path, self.resume_from, self.overwrite, record)
+        done = 0 if self.resume_from is None else checkpoints.checkpoint_step(self.resume_from)
+        keep_records_until(self.metrics, done)
+
+    def log(self, record: dict) -> None:
+        append_record(self.metrics, record)
+
+    def save(self, step: int, model, tokenizer, optimizer, scheduler, keep: int, more: dict):
+        """checkpoint-<step>: the weights, what a resume needs (trainer_state, with `more`) and
+        the run's options; only the newest `keep` checkpoints stay (0: all)."""
+        state = checkpoints.trainer_state(optimizer, scheduler, step, **more)
+        files = {"run_config.json": json.dumps(self.options, indent=2)}
+        self.saved = f"checkpoint-{step}"
+        checkpoints.save_checkpoint(self.path, self.saved, model, tokenizer, state, files, keep)
+
+    def stop_if_requested(self, step: int) -> None:
+        if self.stop.requested:
+            resume = checkpoints.resume_command()
+            raise SystemExit(
+                f"stopped after step {step} (saved {self.saved}); resume with: {resume}"
+            )
+
+
+def resumable_checkpoint(output_dir: Path, resume: bool) -> Path | None:
+    """The checkpoint a --resume continues from (None without --resume)."""
+    if not resume:
+        return None
+    checkpoint = checkpoints.latest_checkpoint(output_dir)
+    if checkpoint is None:
+        raise SystemExit(
+            f"error: --resume, but {output_dir} holds no complete checkpoint; "
+            f"drop --resume to start afresh"
+        )
+    return checkpoint
+
+
+def option_differences(recorded: dict, options: dict, may_change: tuple = ()) -> list[str]:
+    """Where `options` differ from a run's recorded ones, as '--name recorded -> now'. Resume and
+    overwrite are how a run is started, not what it is."""
+    ignored = (*may_change, "resume", "overwrite_output_dir")
+    return [
+        f"--{name} {recorded[name]!r} -> {value!r}"
+        for name, value in options.items()
+        if name in recorded and name not in ignored and recorded[name] != value
+    ]
+
+
+def check_resume(checkpoint: Path, options: dict, may_change: tuple) -> dict:
+    """A resume continues the run it finds with that run's options: one line naming any that
+    differ but `may_change`. Returns the recorded options."""
+    recorded = recorded_options(checkpoint)
+    differences = option_differences(recorded, options, may_change)
+    if differences:
+        raise SystemExit(
+            f"error: --resume with options other than {checkpoint}'s: {'; '.join(differences)}; "
+            f"resume with the run's own options or start another --output-dir (a resume may "
+            f"change only --{', --'.join(may_change)})"
+        )
+    return recorded
+
+
+def recorded_options(checkpoint: Path) -> dict:
+    """The options a checkpoint was written with; older checkpoints: those of its run."""
+    own = checkpoint / "run_config.json"
+    return json.loads((own if own.exists() else checkpoint.parent / "run_config.json").read_text())
+
+
+def prepare_output_dir(
+    output_dir: Path, resume_from: Path | None, overwrite: bool, config: dict
+) -> None:
+    """A run's folder, emptied for --overwrite-output-dir, with its run_config.json; a resume
+    keeps the record and adds to its "resumes" what it changed. Called holding the folder's
+    lock (which it keeps)."""
+    record = output_dir / "run_config.json"
+    if resume_from is not None and record.exists():
+        recorded = json.loads(record.read_text())
+        changed = {
+            k: [recorded.get(k), v]
+            for k, v in config.items()
+            if recorded.get(k) != v and k not in ("resume", "overwrite_output_dir")
+        }
+        recorded.setdefault("resumes", []).append({"from": resume_from.name, "changed": changed})
+        write_atomically(record, json.dumps(recorded, indent=2))
+        return
+    if (output_dir / "metrics.jsonl").exists():
+        if not overwrite:
+            raise SystemExit(
+                f"error: {output_dir} already holds a run; pass --resume to continue "
+                f"it, --overwrite-output-dir to start afresh, or choose another "
+                f"--output-dir"
+            )
+        for entry in output_dir.iterdir():
+            if entry.name != ".lock":
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    write_atomically(record, json.dumps(config, indent=2))
+
+
+def append_record(path: Path, record: dict) -> None:
+    """One JSON line, flushed at once: a kill mid-write can leave at most a torn last line, which
+    keep_records_until drops."""
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def read_records(path: Path) -> list[dict]:
+    """The records of a .jsonl log; a line torn by a kill mid-write (only the last can be) is left
+    out."""
+    records = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def keep_records_until(path: Path, rollout_step: int) -> None:
+    """On resume, drop the records of steps after the checkpoint (they are about to be redone) and
+    any torn line; rewritten atomically, so a kill here loses nothing."""
+    if path.exists():
+        kept = [r for r in read_records(path) if r["rollout_step"] <= rollout_step]
+        write_atomically(path, "".join(json.dumps(r) + "\n" for r in kept))
+
+
+def write_atomically(path: Path, text: str) -> None:
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
+class RunLock:
+    """An exclusive lock on a run's output folder, held while the run lives. flock is released by
+    the kernel when its holder dies, even by kill -9, so a dead run never blocks --resume."""
+
+    def __init__(self, folder: Path):
+        self.path = Path(folder) / ".lock"
+
+    def __enter__(self) -> "RunLock":
+        if self.path.parent.exists() and not self.path.parent.is_dir():
+            raise SystemExit(f"error: --output-dir {self.path.parent} is a file; choose a folder")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = self.path.open("a+")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.seek(0)
+            holder = self.file.read().strip() or "unknown"
+            self.file.close()
+            raise SystemExit(
+                f"error: {self.path.parent} is in use by a live run (pid {holder}); "
+                f"wait for it or stop it, or choose another --output-dir"
+            ) from None
+        self.file.truncate(0)
+        self.file.write(str(os.getpid()))
+        self.file.flush()
+        return self
+
+    def __exit__(self, *_) -> None:
+        if [p.name for p in self.path.parent.iterdir()] == [".lock"]:  # a run that wrote nothing
+            self.path.unlink()
+            self.path.parent.rmdir()
+        self.file.close()  # releases the lock
+
+
+class StopRequest:
+    """The first Ctrl-C or SIGTERM (what `timeout`, a job scheduler or a container stop sends)
+    asks the loop to stop after the current step, with a checkpoint; a second one interrupts at
+    once. Outside the main thread it does nothing."""
+
+    SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
+
+    def __enter__(self) -> "StopRequest":
+        self.requested, self.previous = False, {}
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {s: signal.signal(s, self.handle) for s in self.SIGNALS}
+        return self
+
+    def handle(self, number: int, _frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested, name = True, self.SIGNALS[number]
+        message = f"\n{name}: stopping after this step, with a checkpoint ({name} again: at once)"
+        print(message, file=sys.stderr, flush=True)
+
+    def __exit__(self, *_) -> None:
+        for number, previous in self.previous.items():
+            signal.signal(number, previous)
+
+
+class Progress:
+    """A tqdm bar on a terminal; elsewhere (a log file) one plain line every `every` steps, so a
+    log holds a few lines rather than hundreds of bar redraws."""
+
+    def __init__(self, start: int, total: int, label: str, every: int):
+        self.done, self.total, self.label, self.every = start, total, label, every
+        self.bar = tqdm(initial=start, total=total, desc=label) if sys.stderr.isatty() else None
+
+    def step(self, **figures) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(figures)
+        elif self.done % self.every == 0 or self.done == self.total:
+            shown = ", ".join(f"{name} {value}" for name, value in figures.items())
+            print(f"{self.label}: step {self.done}/{self.total}, {shown}", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+@contextlib.contextmanager
+def never_fatal(what: str):
+    """Pictures never cost a run: a failure inside warns once, in one line, and the run goes on."""
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001 - whatever broke, training is worth more
+        message = (str(error).strip().splitlines() or [""])[0]
+        warn_once(
+            what,
+            f"warning: could not {what} ({type(error).__name__}: {message}); "
+            f"training goes on without it",
+        )
+
+
+def update_metrics(per_token: list[dict], loss: float, grad_norm: float, lr: float) -> dict:
+    """An update's metrics.jsonl figures from its micro-batches' per-token values (cwgrpo.py's
+    token_metrics: entropy, kl, clipped, w, touched, pg_on, sampler_diff, r; one a valid token)."""
+    token = {name: torch.cat([part[name] for part in per_token]) for name in per_token[0]}
+    if not len(token["w"]):  # every completion masked (--mask-truncated-completions): a 0 step
+        token = {name: torch.zeros(1) for name in token}
+    w = token["w"]
+    return {
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "lr": lr,
+        **{f"{name}_mean": token[name].mean().item() for name in ("entropy", "kl", "w")},
+        "clip_frac": token["clipped"].mean().item(),
+        "touched_frac": token["touched"].mean().item(),
+        "pg_active_frac": token["pg_on"].mean().item(),
+        "w_min": w.min().item(),
+        "w_std": w.std().item() if len(w) > 1 else 0.0,
+        "w_max": w.max().item(),
+        "w_frac_below_half": (w < 0.5).float().mean().item(),
+        "w_frac_above_2": (w > 2).float().mean().item(),
+        "sampler_logp_diff_mean": token["sampler_diff"].mean().item(),
+        "sampler_logp_diff_max": token["sampler_diff"].max().item(),
+        **{f"sampler_ratio_{f}": getattr(token["r"], f)().item() for f in ("min", "mean", "max")},
+    }

@@ -1,0 +1,171 @@
+"""System tests of the command lines: --help documents every option, and a misspelt option, a bad
+value or a missing optional package is one line, before anything loads."""
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+import cwgrpo
+from cwgrpo_utils import cli
+from cwgrpo_utils.cli import OPTIONAL
+from tests.support import ROOT, load_evaluate, run_cli
+
+evaluate = load_evaluate()
+COMMANDS = {  # each tool as the README runs it, from the repository's root
+    "cwgrpo.py": [sys.executable, str(ROOT / "cwgrpo.py")],
+    "evaluate.py": [sys.executable, str(ROOT / "evaluate.py")],
+    "tools.ablate": [sys.executable, "-m", "tools.ablate"],
+    "tools.diagnose": [sys.executable, "-m", "tools.diagnose"],
+}
+
+
+def run(tool: str, *argv: str) -> subprocess.CompletedProcess:
+    command = [*COMMANDS[tool], *argv]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+
+def test_help_documents_every_option_and_method():
+    out = run("cwgrpo.py", "--help")
+    assert out.returncode == 0
+    for f in cwgrpo.dataclasses.fields(cwgrpo.Config):
+        assert f"--{f.name}" in out.stdout and f.metadata.get("help")
+    assert "{" + ",".join(cwgrpo.METHODS) + "}" in out.stdout  # every method, in the table's order
+
+
+def test_the_method_names_known_before_torch_are_the_methods_table():
+    assert tuple(cwgrpo.METHOD_OPTIONS) == tuple(cwgrpo.METHODS)
+
+
+def test_flags_that_contradict_each_other_are_one_line_naming_both():
+    with pytest.raises(SystemExit) as error:
+        cwgrpo.parse_config(["--preset", "tiny", "--cw-reading", "paper", "--cw-norm", "padded"])
+    assert str(error.value) == (
+        "error: --cw-reading paper means --cw-norm valid; it contradicts --cw-norm padded"
+    )
+    agreed = ["--preset", "tiny", "--cw-reading", "paper", "--cw-norm", "valid"]
+    assert cwgrpo.parse_config(agreed).cw_detach  # what the reading means, and said alike
+
+
+def test_a_methods_options_given_to_another_method_are_named(capsys):
+    cli.WARNED.clear()
+    cwgrpo.parse_config(["--preset", "tiny", "--method", "grpo", "--cw-norm", "valid"])
+    cwgrpo.parse_config(["--method", "grpo", "--ar-alpha", "0.9", "--cw-norm", "valid"])
+    assert capsys.readouterr().err.splitlines() == [
+        "note: --cw-norm has no effect with --method grpo",
+        "note: --ar-alpha has no effect with --method grpo",  # each once in a process
+    ]
+    plan = ["--preset", "tiny", "--method", "ar", "--lopti-eta", "0.3", "--plan"]
+    done = run("tools.diagnose", "batch", *plan)
+    assert (
+        done.returncode == 0 and done.stderr == "note: --lopti-eta has no effect with --method ar\n"
+    )
+
+
+@pytest.mark.parametrize("script", ["cwgrpo.py", "evaluate.py"])
+@pytest.mark.parametrize("argv", [["--help"], ["--stepz", "5"], ["--seed", "-1"]])
+def test_the_command_line_is_answered_before_torch_is_imported(script, argv):
+    code = (
+        f"import runpy, sys\nsys.argv = [{script!r}, *{argv!r}]\n"
+        f"try:\n    runpy.run_path({script!r}, run_name='__main__')\nexcept SystemExit:\n    pass\n"
+        "print(sorted({'torch', 'math_verify', 'datasets'} & set(sys.modules)))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT
+    )
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stderr
+
+
+def test_gpu_recipe_without_cuda_fails_in_one_line(tmp_path):
+    out = run_cli("--method", "cw", "--output-dir", str(tmp_path / "run"))
+    assert out.returncode != 0
+    assert (
+        "no CUDA GPU" in out.stderr
+        and "--preset tiny" in out.stderr
+        and "Traceback" not in out.stderr
+    )
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_unknown_method_and_small_group_are_rejected():
+    out = run_cli("--method", "nope")
+    assert out.returncode == 1
+    assert out.stderr.strip().startswith(
+        "error: argument --method: invalid choice: 'nope' (choose from 'grpo', 'cw',"
+    )
+    assert len(out.stderr.strip().splitlines()) == 1
+    with pytest.raises(SystemExit, match="group-size must be >= 2"):
+        cwgrpo.parse_config(["--preset", "tiny", "--group-size", "1"])
+
+
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        (["--learning-rate", "-1"], "error: --learning-rate must be > 0; got -1.0"),
+        (["--steps", "x"], "error: argument --steps: invalid int value: 'x'"),
+    ],
+)
+def test_a_bad_option_value_from_the_command_line_is_one_line(argv, expected):
+    out = run_cli("--preset", "tiny", *argv)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.strip() == expected
+
+
+@pytest.mark.parametrize(
+    "tool,argv,expected",
+    [
+        ("cwgrpo.py", ["--metod", "cw"], "error: unknown option --metod; did you mean --method?"),
+        (
+            "cwgrpo.py",
+            ["--lr", "1e-3"],
+            "error: unknown option --lr; did you mean --learning_rate?",
+        ),
+        ("cwgrpo.py", ["--meth", "cw"], "error: unknown option --meth; did you mean --method?"),
+        ("evaluate.py", ["--modle", "x"], "error: unknown option --modle; did you mean --model?"),
+        (
+            "tools.diagnose",
+            ["batch", "--presett", "tiny"],
+            "error: unknown option --presett; did you mean --preset?",
+        ),
+        (
+            "tools.ablate",
+            ["--method", "cw"],
+            "error: unknown option --method; did you mean --methods?",
+        ),
+    ],
+)
+def test_a_misspelt_or_abbreviated_option_is_one_line_naming_the_closest(tool, argv, expected):
+    done = run(tool, *argv)
+    assert done.returncode == 1
+    assert done.stderr.strip() == expected
+
+
+def test_help_texts_say_what_each_option_does():
+    flat = " ".join(run("cwgrpo.py", "--help").stdout.split())
+    assert "turn off --gradient_checkpointing" in flat
+    assert "stapo: silence tokens with p below this" in flat
+    assert "G, completions sampled per prompt [>= 2]" in flat  # each range beside its option
+    assert "Defaults shown: --preset paper-1.5b's." in flat
+    tiny_help = run("cwgrpo.py", "--preset", "tiny", "--help").stdout
+    assert "Defaults shown: --preset tiny's." in " ".join(tiny_help.split())
+    batch = run("tools.diagnose", "batch", "--help").stdout
+    assert "--reference_model" in batch
+    assert all(f"--{o} " not in batch for o in ("resume", "steps", "save_every"))
+    top = run("tools.diagnose", "--help")
+    assert top.returncode == 0
+    assert all(f"  {c} " in top.stdout for c in ("batch", "train", "plot"))
+    assert "turn off --plot" in " ".join(run("tools.ablate", "--help").stdout.split())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
+def test_rollout_vllm_without_vllm_stops_at_parse_time_in_one_line(tmp_path):
+    out = run_cli("--preset", "tiny", "--rollout", "vllm", "--output-dir", str(tmp_path / "r"))
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    install = OPTIONAL["vllm"][1]
+    assert (
+        out.stderr.strip() == f"error: --rollout vllm needs vLLM, which is not installed: {install}"
+    )
+    assert not (tmp_path / "r").exists()
+    with pytest.raises(SystemExit, match="--engine vllm needs vLLM"):
+        evaluate.parse_config(["--model", str(tmp_path), "--engine", "vllm"])

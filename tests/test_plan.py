@@ -1,0 +1,249 @@
+"""System tests of the memory and disk plan: every item against real allocations on the CPU, the
+presets' plans, and the fit check before a CUDA run."""
+
+import copy
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+import cwgrpo
+from cwgrpo_utils import checkpoints, loading, memory_plan
+from tests.support import ROOT, SMALL_SHAPE, read_metrics
+
+
+@pytest.fixture(scope="module")
+def plan_model(tmp_path_factory):
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**SMALL_SHAPE))
+    folder = tmp_path_factory.mktemp("plan-model")
+    model.save_pretrained(folder)
+    return model, folder
+
+
+def plan_options(**overrides):
+    args = [
+        "--group-size",
+        "4",
+        "--prompts-per-step",
+        "2",
+        "--groups-per-micro-batch",
+        "1",
+        "--max-prompt-length",
+        "24",
+        "--max-completion-length",
+        "40",
+        "--length-limit",
+        "new",
+        "--beta",
+        "0.04",
+        "--steps",
+        "6",
+        "--save-every",
+        "2",
+    ]
+    for name, value in overrides.items():
+        args += [f"--{name}", str(value)]
+    return memory_plan.PlanOptions.of(cwgrpo.parse_config(args))
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize(
+    "name,count",
+    [
+        ("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", 1_777_088_000),
+        ("Qwen/Qwen2.5-Math-7B-Instruct", 7_615_616_512),
+        ("Qwen/Qwen2.5-0.5B-Instruct", 494_032_768),
+    ],
+)
+def test_parameter_counts_from_config_equal_the_published_ones(name, count):
+    arch = memory_plan.Architecture.from_config(memory_plan.read_config(name))  # shipped: offline
+    assert arch.parameters() == count
+
+
+def test_parameter_count_equals_the_built_model(plan_model):
+    model, folder = plan_model
+    arch = memory_plan.Architecture.from_config(memory_plan.read_config(str(folder)))
+    assert arch.parameters() == sum(p.numel() for p in model.parameters())
+
+
+def test_weights_gradients_and_adamw_state_equal_the_plan_after_a_real_step(plan_model):
+    model, folder = plan_model
+    items = memory_plan.plan(str(folder), plan_options(), cuda=False)["items"]
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), 1e-3)
+    model(
+        input_ids=torch.randint(0, 300, (2, 8)), labels=torch.randint(0, 300, (2, 8))
+    ).loss.backward()
+    assert tensor_bytes(model.parameters()) == items["weights (fp32)"]
+    assert tensor_bytes(p.grad for p in model.parameters()) == items["gradients (fp32)"]
+    optimizer.step()
+    moments = [s[k] for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    assert tensor_bytes(moments) == items["AdamW moments (fp32)"]
+    assert items["reference"] == items["weights (fp32)"]  # fp32 on the CPU, with beta > 0
+
+
+def test_the_kv_cache_after_sampling_is_the_plans(plan_model):
+    model, folder = plan_model
+    options = plan_options()
+    planned = memory_plan.plan(str(folder), options, cuda=False)["items"]["KV cache"]
+    rows, prompt, new = 8, options.max_prompt_length, options.max_completion_length
+    cache = loading.KVCache(torch.float32)
+    ids = torch.randint(0, 300, (rows, prompt))
+    how = cwgrpo.Sampling(1, 1.0, 1.0, 0, new)
+    cwgrpo.sample_tokens(model, ids, torch.ones_like(ids), how, new, [], 0, cache)
+    measured = tensor_bytes(t for layer in cache.layers for t in (layer.keys, layer.values))
+    assert measured == pytest.approx(planned, rel=0.03)  # the last token is never fed back
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_activations_saved_for_backward_are_the_plans(plan_model, checkpointing):
+    model, folder = plan_model
+    model = copy.deepcopy(model).train()
+    if checkpointing:
+        loading.enable_checkpointing(model)
+    options = plan_options(gradient_checkpointing=checkpointing)
+    cfg = cwgrpo.parse_config(["--max-prompt-length", "24", "--max-completion-length", "40"])
+    planned = memory_plan.plan(str(folder), options, cuda=False)["items"]
+    rows, prompt, new = 4, options.max_prompt_length, options.max_completion_length
+    rollout = cwgrpo.Rollout(
+        torch.randint(0, 300, (rows, prompt)),
+        torch.ones(rows, prompt).long(),
+        torch.randint(0, 300, (rows, new)),
+        torch.ones(rows, new),
+        torch.zeros(rows, dtype=torch.bool),
+        [""] * rows,
+        torch.zeros(rows, new),
+        [""] * rows,
+    )
+    storages, parameters = {}, {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def saved(tensor):
+        if tensor.numel():
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(saved, lambda tensor: tensor):
+        cwgrpo.completion_logprobs(model, rollout, cfg)
+    measured = sum(size for pointer, size in storages.items() if pointer not in parameters)
+    assert measured == pytest.approx(planned["activations saved for backward"], rel=0.03)
+    if checkpointing:  # the layer recomputed in backward holds what one layer saves without it
+        per_layer = memory_plan.layer_activation_bytes(
+            memory_plan.Architecture.from_config(SMALL_SHAPE), cuda=False
+        )
+        assert planned["one layer recomputed in backward"] == rows * (prompt + new) * per_layer
+
+
+def test_a_checkpoint_on_disk_is_the_plans_and_only_the_newest_keeps_the_optimizer(
+    tiny_args, tmp_path
+):
+    out = tmp_path / "run"
+    keep_two = ["--save-every", "1", "--save-total-limit", "2", "--output-dir", str(out)]
+    cwgrpo.main(cwgrpo.parse_config([*tiny_args, "--steps", "4", *keep_two]))
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
+    assert not (out / "checkpoint-3" / "optimizer.pt").exists()
+    newest = out / "checkpoint-4"
+    files = newest / "model.safetensors", newest / "optimizer.pt"
+    plan = memory_plan.plan(
+        str(newest),
+        plan_options_of(tiny_args, steps=4, save_every=1, save_total_limit=2),
+        cuda=False,
+    )
+    assert sum(f.stat().st_size for f in files) == pytest.approx(
+        plan["disk"]["checkpoint"], rel=0.02
+    )
+    assert checkpoints.latest_checkpoint(out) == newest  # and a resume from it works:
+    cwgrpo.main(cwgrpo.parse_config([*tiny_args, "--steps", "5", *keep_two, "--resume"]))
+    assert len(read_metrics(out / "metrics.jsonl")) == 5
+
+
+def plan_options_of(argv, **overrides) -> memory_plan.PlanOptions:
+    return dataclasses.replace(memory_plan.PlanOptions.of(cwgrpo.parse_config(argv)), **overrides)
+
+
+@pytest.mark.parametrize("preset", ["paper-1.5b", "paper-7b", "qwen0.5b-24gb", "tiny"])
+def test_plan_prints_every_presets_numbers_offline(preset, tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "cwgrpo.py"), "--preset", preset, "--plan"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.strip().splitlines() if not line.startswith("building")]
+    count = {
+        "paper-1.5b": "1,777,088,000",
+        "paper-7b": "7,615,616,512",
+        "qwen0.5b-24gb": "494,032,768",
+    }.get(preset, "115,456")
+    assert f"{count} parameters" in lines[0]
+    assert (
+        lines[-1]
+        == {
+            "paper-1.5b": "fits: 80, 141 GB; does not fit: 24, 40, 48 GB",
+            "paper-7b": "fits: none of them; does not fit: 24, 40, 48, 80, 141 GB",
+            "qwen0.5b-24gb": "fits: 24, 40, 48, 80, 141 GB; does not fit: none of them",
+            "tiny": "fits: 24, 40, 48, 80, 141 GB; does not fit: none of them",
+        }[preset]
+    )
+    assert any(line.startswith("disk: ") for line in lines)
+
+
+def test_paper_presets_plan_with_margin():
+    def peak(preset):
+        cfg = cwgrpo.parse_config(["--preset", preset])
+        return memory_plan.plan(cfg.model, memory_plan.PlanOptions.of(cfg))["peak"]
+
+    assert peak("paper-1.5b") < 0.75 * 80e9
+    assert peak("qwen0.5b-24gb") < 0.85 * 24e9
+
+
+def test_a_run_that_cannot_fit_stops_in_one_line_naming_the_largest_items():
+    cfg = cwgrpo.parse_config(["--preset", "paper-1.5b"])
+    with pytest.raises(SystemExit) as error:
+        memory_plan.check_fit(cfg.model, memory_plan.PlanOptions.of(cfg), 40 * 10**9, 40 * 10**9)
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith("error: this run needs about 58.1 GB and the GPU has 40.0 GB free ")
+    assert "(largest: KV cache 16.9 GB, AdamW moments (fp32) 14.2 GB, activations" in message
+    memory_plan.check_fit(
+        cfg.model, memory_plan.PlanOptions.of(cfg), 80 * 10**9, 80 * 10**9
+    )  # silent
+
+
+def test_a_cuda_run_that_cannot_fit_stops_before_loading(monkeypatch, tmp_path):
+    """The wiring of the fit check into a run: CUDA's API answers as a 40 GB card would; the plan,
+    the check and the run are the real ones, and nothing is loaded (the model is a hub id)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *_: (40 * 10**9, 48 * 10**9))
+    monkeypatch.setattr(loading, "load_dataset", lambda *_: pytest.fail("loaded before the check"))
+    with pytest.raises(SystemExit) as error:
+        cwgrpo.main(
+            cwgrpo.parse_config(["--preset", "paper-1.5b", "--output-dir", str(tmp_path / "run")])
+        )
+    assert str(error.value).startswith("error: this run needs about 58.1 GB and the GPU has 40.0")
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_plan_with_vllm_counts_the_engine_share_per_card():
+    cfg = cwgrpo.parse_config(["--preset", "paper-1.5b", "--rollout", "vllm", "--plan"])
+    p = memory_plan.plan(cfg.model, memory_plan.PlanOptions.of(cfg))
+    hf = memory_plan.plan(cfg.model, memory_plan.PlanOptions.of(cwgrpo.parse_config([])))
+    assert p["items"]["KV cache"] == 0 and hf["items"]["KV cache"] > 0  # the engine's own
+    items = p["items"]
+    resident = items["weights (fp32)"] + items["AdamW moments (fp32)"] + items["reference"]
+    assert p["phases"]["rollout"] == resident  # no HF forward while the engine samples
+    assert p["phases"]["update"] == hf["phases"]["update"]  # the engine sleeps, holding nothing
+    assert memory_plan.fits(p) == ([80, 141], [24, 40, 48])
+    assert memory_plan.holds(p, 80e9)
+    assert not memory_plan.holds({**p, "engine_share": 0.01}, 80e9)  # 0.8 GB: not its weights
+    assert not memory_plan.holds({**p, "engine_share": 0.9}, 80e9)  # 72 GB beside the trainer's
+    report = memory_plan.report(cfg.model, memory_plan.PlanOptions.of(cfg))
+    assert "vLLM engine while sampling: 30% of the card, its bf16 weights 3.55 GB" in report

@@ -1,0 +1,314 @@
+"""System tests of the tools: ablation tables and standalone twins, the diagnostics, and
+benchmarks/gpu_check.py at tiny shapes."""
+
+import contextlib
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import cwgrpo
+from cwgrpo import Grader
+from cwgrpo_utils import cli, loading, plots, tiny
+from tests.support import ROOT, read_metrics, run_cli
+from tools import ablate, diagnose
+
+
+def test_interval_by_hand():
+    assert plots.interval([1.0, 2.0, 3.0]) == pytest.approx((2.0, 4.303 / math.sqrt(3)))
+    mean, half = plots.interval([5.0])  # one seed: no interval
+    assert mean == 5.0 and math.isnan(half)
+    assert ablate.cell([5.0]) == "5.000 ± n/a"
+    assert ablate.difference([5.0], [4.0]) == "+1.000 ± n/a"  # and never bold
+
+
+def test_ablate_table_holds_the_runs_figures_and_a_run_equals_its_standalone_twin(
+    tmp_path, tiny_args
+):
+    out = tmp_path / "ablation"
+    args = [
+        "--methods",
+        "grpo,cw-detached=cw --cw-detach",
+        "--seeds",
+        "2",
+        "--no-plot",
+        "--output-dir",
+        str(out),
+        "--",
+        *tiny_args[2:],
+        "--steps",
+        "3",
+        "--save-every",
+        "3",
+    ]
+    ablate.ablate(args)
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == [
+        "cw-detached-seed0",
+        "cw-detached-seed1",
+        "grpo-seed0",
+        "grpo-seed1",
+    ]
+    runs = {
+        label: [ablate.run_figures(out / f"{label}-seed{seed}", 0.7) for seed in (0, 1)]
+        for label in ("grpo", "cw-detached")
+    }
+    final = {label: [r["final_accuracy_mean"] for r in rs] for label, rs in runs.items()}
+    rows = {
+        line.split(" | ")[0][2:]: line.split(" | ")
+        for line in (out / "ablation.md").read_text().splitlines()
+        if line.startswith("| ")
+    }
+    assert rows["cw-detached"][1] == "`--method cw --cw-detach`"
+    assert rows["grpo"][2].endswith(ablate.cell(final["grpo"])) and rows["grpo"][3] == "-"
+    assert rows["cw-detached"][3].strip("*") == ablate.difference(
+        final["cw-detached"], final["grpo"]
+    ).strip("*")
+    stamp = (out / "grpo-seed0" / "wall_time.json").stat().st_mtime_ns
+    ablate.ablate(args)  # finished runs are not run again
+    assert (out / "grpo-seed0" / "wall_time.json").stat().st_mtime_ns == stamp
+    # the standalone twin: the same options, one thread and one grading process
+    twin = run_cli(
+        *tiny_args,
+        "--method",
+        "cw",
+        "--cw-detach",
+        "--seed",
+        "1",
+        "--steps",
+        "3",
+        "--save-every",
+        "3",
+        "--threads",
+        "1",
+        "--reward-workers",
+        "1",
+        "--output-dir",
+        str(tmp_path / "twin"),
+    )
+    assert twin.returncode == 0, twin.stderr
+    assert read_metrics(tmp_path / "twin" / "metrics.jsonl") == read_metrics(
+        out / "cw-detached-seed1" / "metrics.jsonl"
+    )
+    recorded = json.loads((out / "cw-detached-seed1" / "run_config.json").read_text())
+    assert (recorded["torch_threads"], recorded["reward_workers_used"]) == (1, 1)
+    with pytest.raises(SystemExit, match="unknown method nope"):
+        ablate.ablate(["--methods", "grpo,nope", "--no-plot", "--output-dir", str(out)])
+
+
+def test_concentration_hand_computed():
+    # 4 positive scores (10, 3, 2, 1) and 2 negative (-6, -2); zeros belong to neither side
+    scores = torch.tensor([1.0, -2.0, 10.0, 0.0, 3.0, -6.0, 2.0])
+    result = diagnose.concentration(scores)
+    # top 0.01%, 0.1%, 1% of 4 tokens: 1 token; 10%: ceil(0.4) = 1; 100%: all four
+    assert result["positive"] == {0.0001: 10.0, 0.001: 10.0, 0.01: 10.0, 0.1: 10.0, 1.0: 4.0}
+    assert result["negative"] == {0.0001: -6.0, 0.001: -6.0, 0.01: -6.0, 0.1: -6.0, 1.0: -4.0}
+    many = torch.arange(
+        1.0, 1001.0
+    )  # top 1% of 1000 = the 10 largest: mean 995.5; top 10%: mean 950.5
+    assert diagnose.concentration(many)["positive"][0.01] == 995.5
+    assert diagnose.concentration(many)["positive"][0.1] == 950.5
+    assert diagnose.concentration(many)["negative"][1.0] == 0.0
+
+
+def test_quantile_masks_partition():
+    values = torch.rand(1001, generator=torch.Generator().manual_seed(0))
+    masks = diagnose.quantile_masks(values, 4)
+    assert torch.equal(sum(m.long() for m in masks), torch.ones(1001, dtype=torch.long))
+    assert [int(m.sum()) for m in masks] == [251, 250, 250, 250]
+    assert all(values[a].max() <= values[b].min() for a, b in zip(masks, masks[1:]))
+
+
+@pytest.fixture(scope="module")
+def scored_rollout(tiny_run, tiny_base):
+    cfg = cwgrpo.parse_config(
+        ["--preset", "tiny", "--prompts-per-step", "4", "--groups-per-micro-batch", "2"]
+    )
+    tokenizer = loading.load_tokenizer(str(tiny_run / "final-model"))
+    model = loading.load_model(str(tiny_run / "final-model"), torch.float32, torch.device("cpu"))
+    reference = loading.load_model(str(tiny_base / "model"), torch.float32, torch.device("cpu"))
+    torch.manual_seed(0)
+    prompts = cwgrpo.PromptStream(tiny.arithmetic_dataset(0), tokenizer, cfg)
+    rollout = cwgrpo.sample(model, tokenizer, prompts.next_batch(4), cfg)
+    grades = Grader().map([(t, g, "default") for t, g in zip(rollout.texts, rollout.golds)])
+    cwgrpo.rollout_rewards(rollout, grades, cfg)
+    rollout.ref_logp = cwgrpo.policy_token_stats(reference, rollout, cfg)["logp"]
+    return model, rollout, cfg
+
+
+def test_quartile_gradients_sum_to_the_full_gradient(scored_rollout):
+    model, rollout, cfg = scored_rollout
+    valid = rollout.completion_mask.bool()
+    prob = cwgrpo.policy_token_stats(model, rollout, cfg)["logp"].exp()[valid]
+    quartiles = [diagnose.scatter_valid(q, valid) for q in diagnose.quantile_masks(prob, 4)]
+    assert torch.equal(sum(quartiles), rollout.completion_mask)
+
+    def gradient(active):
+        model.zero_grad(set_to_none=True)
+        cwgrpo.accumulate_gradients(
+            model, dataclasses.replace(rollout, active=active), cfg, contextlib.nullcontext
+        )
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    full = gradient(rollout.completion_mask)
+    parts = [gradient(q) for q in quartiles]
+    model.zero_grad(set_to_none=True)
+    assert full.norm() > 0 and all(p.norm() > 0 for p in parts)
+    torch.testing.assert_close(sum(parts), full, rtol=1e-4, atol=1e-6)
+
+
+def test_diagnose_rollout_report(scored_rollout):
+    model, rollout, cfg = scored_rollout
+    rng = torch.get_rng_state()
+    report = diagnose.diagnose_rollout(model, rollout, cfg, contextlib.nullcontext)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in model.parameters())
+    assert set(report["full_gradient_norm"]) == {"beta=0", "beta=0.04"}
+    assert (
+        sum(q["tokens"] for q in report["quartiles"])
+        == report["tokens"]
+        == int(rollout.completion_mask.sum())
+    )
+    # with beta = 0 the token weight is the advantage alone: the KL part is zero
+    valid = rollout.completion_mask.bool()
+    prob = cwgrpo.policy_token_stats(model, rollout, cfg)["logp"].exp()[valid]
+    adv = rollout.advantages[:, None].expand_as(rollout.completion_mask)[valid]
+    for q, mask in zip(report["quartiles"], diagnose.quantile_masks(prob, 4)):
+        assert q["beta=0"]["abs_weight_mean"] == pytest.approx(
+            adv[mask].abs().mean().item(), rel=1e-5
+        )
+    assert any(
+        q["beta=0.04"]["abs_weight_mean"] != q["beta=0"]["abs_weight_mean"]
+        for q in report["quartiles"]
+    )
+    assert len(report["cw_weight_by_covariance_decile"]) == 10
+
+
+def test_diagnose_batch_honours_or_refuses_each_option(tiny_base, tmp_path, capsys):
+    model = ["--preset", "tiny", "--model", str(tiny_base / "model")]
+    out = tmp_path / "diag"
+    diagnose.batch([*model, "--plan", "--diagnostics-dir", str(out)])
+    assert "fits: 24, 40, 48, 80, 141 GB" in capsys.readouterr().out  # the plan ...
+    assert not out.exists()  # ... and no batch
+    with pytest.raises(SystemExit) as error:
+        diagnose.batch([*model, "--steps", "5"])
+    assert str(error.value) == (
+        "error: --steps has no effect in python -m tools.diagnose batch; drop it"
+    )
+    shown = subprocess.run(
+        [sys.executable, "-m", "tools.diagnose", "batch", "--help"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    ).stdout  # fmt: skip
+    assert "--plan" in shown and "--threads" in shown and "--steps" not in shown
+
+
+def test_diagnose_command_and_training_diagnostics(tiny_run, tiny_base, tmp_path, TINY_RUN, capsys):
+    out = tmp_path / "diag"
+    diagnose.batch(
+        [
+            "--preset",
+            "tiny",
+            "--model",
+            str(tiny_run / "final-model"),
+            "--reference-model",
+            str(tiny_base / "model"),
+            "--diagnostics-dir",
+            str(out),
+            "--prompts-per-step",
+            "2",
+            "--dataset",
+            str(tiny_base / "arithmetic.jsonl"),
+        ]
+    )
+    table = (out / "diagnostics.md").read_text()
+    assert "## Covariance concentration" in table
+    assert capsys.readouterr().out.endswith(f"{table}\nwritten: {out / 'diagnostics.md'} and "
+                                            f"{out / 'diagnostics.json'}\n")  # fmt: skip
+    assert json.loads((out / "diagnostics.json").read_text())["tokens"] > 0
+    # --diagnose-every appends figures without changing the training itself
+    run = tmp_path / "run"
+    diagnose.train([*TINY_RUN, "--output-dir", str(run), "--every", "2"])
+    assert [
+        json.loads(line)["rollout_step"]
+        for line in (run / "diagnostics.jsonl").read_text().splitlines()
+    ] == [2, 4]
+    assert read_metrics(run / "metrics.jsonl") == read_metrics(tiny_run / "metrics.jsonl")
+
+
+def test_ablate_checks_every_runs_options_before_the_first_run(tmp_path, capsys):
+    out = tmp_path / "ablation"
+    with pytest.raises(SystemExit) as error:
+        ablate.ablate(["--methods", "grpo,cw", "--output-dir", str(out), "--", "--stepz", "5"])
+    assert str(error.value) == "error: unknown option --stepz; did you mean --steps?"
+    with pytest.raises(SystemExit) as error:
+        ablate.ablate(["--methods", "grpo", "--output-dir", str(out), "--", "--group-size", "1"])
+    assert str(error.value).startswith("error: --group-size must be >= 2")
+    assert not out.exists()
+    cli.WARNED.clear()
+    variants = "g=grpo --ar-alpha 0.9,h=grpo --stepz 1"  # the first one's note, then h's typo
+    with pytest.raises(SystemExit, match="unknown option --stepz"):
+        ablate.ablate(["--methods", variants, "--output-dir", str(out)])
+    assert "--ar-alpha has no effect with --method grpo" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_ablate_never_reuses_a_run_made_with_other_options(tmp_path, tiny_base, capsys):
+    base = ["--methods", "grpo", "--seeds", "1", "--no-plot", "--output-dir", str(tmp_path)]
+    run_args = [
+        "--",
+        "--model",
+        str(tiny_base / "model"),
+        "--dataset",
+        str(tiny_base / "arithmetic.jsonl"),
+    ]
+    ablate.ablate([*base, *run_args, "--steps", "2"])
+    with pytest.raises(SystemExit) as error:
+        ablate.ablate([*base, *run_args, "--steps", "3"])
+    assert str(error.value) == (
+        f"error: 1 runs in {tmp_path} were made with other options: grpo-seed0 (--steps 2 -> 3); "
+        f"pass --rerun-changed to redo them, or choose another --output-dir"
+    )
+    ablate.ablate([*base, "--rerun-changed", *run_args, "--steps", "3"])
+    assert len(read_metrics(tmp_path / "grpo-seed0" / "metrics.jsonl")) == 3
+    table = (tmp_path / "ablation.md").read_text()
+    assert "± n/a" in table and "± 0.000" not in table  # one seed: no interval
+    printed = capsys.readouterr().out  # it ends by printing the table it wrote
+    assert printed.endswith(f"{table}\nwritten: {tmp_path / 'ablation'}.md\n")
+
+
+def test_ablation_bands_stay_within_each_metrics_range():
+    mean, half = [0.05, 0.5, 0.97], [0.2, 0.1, 0.2]
+    assert plots.band(mean, half, "accuracy") == (
+        [0.0, 0.4, pytest.approx(0.77)],
+        [pytest.approx(0.25), 0.6, 1.0],
+    )
+    assert plots.band([0.1], [0.3], "entropy") == ([0.0], [pytest.approx(0.4)])
+    assert plots.band([0.1], [0.3], "loss") == ([pytest.approx(-0.2)], [pytest.approx(0.4)])
+
+
+def test_ties_fill_every_decile():
+    values = torch.cat([torch.zeros(60), torch.linspace(-1, 1, 40)])  # 60% of the scores are 0
+    sizes = [int(m.sum()) for m in diagnose.quantile_masks(values, 10)]
+    assert sizes == [10] * 10
+
+
+def test_gpu_check_runs_at_tiny_shapes():
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check", "--tiny"],
+        capture_output=True,
+        text=True,
+        timeout=600,  # a hang guard
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("device: cpu; 137,280 parameters; 12 prompts x G = 12")
+    assert lines[1].startswith("step 1: decode ") and lines[2].startswith("step 2: decode ")
+    assert "KV cache dtype: torch.float32" in lines
+    assert (
+        "every logit finite after a left-padded prefill: cwgrpo's mask True, plain mask True"
+        in lines
+    )
