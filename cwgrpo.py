@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 from typing import Literal
 
-from cwgrpo_utils import REPOSITORY, TINY_BASE, cli
+from cwgrpo_utils import REPOSITORY, TINY_BASE, cli, trackers
 from cwgrpo_utils.cli import arg
 
 # 1. Config --------------------------------------------------------------------------------------
@@ -39,7 +39,12 @@ PRESETS = {
     | dict(learning_rate=7e-4, warmup_ratio=0.05, steps=200, save_every=50, seed=0)
     | dict(gradient_checkpointing=False),
 }
-GPU_PRESETS = ("paper-1.5b", "paper-7b", "qwen0.5b-24gb")
+# LoRA on every linear layer at 10x full fine-tuning's learning rate ("LoRA Without Regret")
+LORA = dict(lora_rank=32, learning_rate=1e-5)
+# The paper's model and recipe on one 24 GB card: LoRA, 3,072 positions, 4 prompts sampled at once
+PRESETS["paper-1.5b-lora-24gb"] = LORA | dict(max_completion_length=3072, rollout_chunk=4)
+PRESETS["paper-7b-lora-80gb"] = PRESETS["paper-7b"] | LORA  # Qwen2.5-Math-7B on one 80 GB card
+GPU_PRESETS = tuple(name for name in PRESETS if name != "tiny")
 # The options each method of section 7 reads; its keys are the --method choices
 METHOD_OPTIONS = {"grpo": (), "cw": ("cw_norm", "cw_detach", "cw_reading")}
 METHOD_OPTIONS |= {"clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub")}
@@ -113,6 +118,10 @@ class Config:
     warmup_ratio: float = arg(0.1, "share of steps with linear warmup", "in [0, 1]")
     weight_decay: float = arg(0.0, "AdamW weight decay", ">= 0")
     max_grad_norm: float = arg(1.0, "gradient clipping norm", "> 0")
+    lora_rank: int = arg(0, "LoRA rank r; 0: full fine-tuning, as the paper", ">= 0")
+    lora_alpha: float = arg(32.0, "LoRA: the adapter's update is scaled by alpha / r", "> 0")
+    lora_target_modules: str = arg("all-linear", "LoRA: the layers it adapts, comma-separated")
+    report_to: list[str] = arg(["none"], "none, or trackers: tensorboard wandb trackio")
     steps: int = arg(300, "rollout batches to train on", "> 0")
     save_every: int = arg(50, "write checkpoint-<step> this often", "> 0")
     seed: int = arg(2025, "seed of data order and sampling", ">= 0")
@@ -159,6 +168,7 @@ def parse_config(argv=None, *extra, hidden: tuple = (), prog: str | None = None)
         cli.warn_once(note, note + "; use --num-iterations 2")
     if cfg.rollout == "vllm" and not cfg.plan:  # a plan needs no engine
         cli.require("vllm", "--rollout vllm")
+    trackers.check(cfg.report_to)
     return parsed if extra else cfg
 
 
@@ -181,7 +191,7 @@ import transformers
 from latex2sympy2_extended import NormalizationConfig
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-from cwgrpo_utils import checkpoints, loading, memory_plan, plots, tiny, token_page
+from cwgrpo_utils import checkpoints, loading, lora, memory_plan, plots, tiny, token_page
 from cwgrpo_utils.grading_pool import CachedTimeoutPool, LogCounter
 from cwgrpo_utils.lm_head import chunked_logprobs, ict_divergence
 from cwgrpo_utils.run_folder import Progress, RunFolder, never_fatal, update_metrics
@@ -202,10 +212,8 @@ class PromptStream:
     --max-prompt-length skipped; its position (prompts served) is all a checkpoint needs."""
 
     def __init__(self, dataset, tokenizer, cfg: Config):
-        pairs = [
-            (chat_prompt_ids(tokenizer, str(question), cfg.system_prompt), str(gold))
-            for question, gold in zip(dataset[cfg.question_column], dataset[cfg.gold_column])
-        ]
+        rows = zip(dataset[cfg.question_column], dataset[cfg.gold_column])
+        pairs = [(chat_prompt_ids(tokenizer, str(q), cfg.system_prompt), str(g)) for q, g in rows]
         self.items = [(ids, gold) for ids, gold in pairs if len(ids) <= cfg.max_prompt_length]
         self.skipped, self.seed, self.position = len(pairs) - len(self.items), cfg.seed, 0
         if self.skipped:
@@ -515,12 +523,7 @@ def rollout_rewards(rollout: Rollout, grades: list[Grade], cfg: Config) -> dict:
         "gold_unparseable": sum(not g.gold_parsed for g in grades),
         "grading_timeouts": sum(g.timed_out for g in grades),
     }
-    for (
-        key,
-        problem,
-    ) in plots.GRADING_PROBLEMS.items():  # each scored 0: said once, summed at the end
-        if metrics[key]:
-            cli.warn_once(key, f"warning: {metrics[key]} {problem} (scored 0); counted in '{key}'")
+    plots.warn_of_grading_problems(metrics)  # each scored 0: said once, summed at the end
     return metrics
 
 
@@ -811,8 +814,9 @@ def collect_rollout(model, reference, tokenizer, prompts, grader, cfg: Config, e
         rollout.old_logp, rollout.entropy = stats["logp"], stats["entropy"]
         rollout.divergence = stats.get("divergence")
         rollout.batch_entropy = rollout.entropy[rollout.completion_mask.bool()].sort().values
-    if reference is not None:
-        rollout.ref_logp = policy_token_stats(reference, rollout, cfg)["logp"]
+    if cfg.beta > 0:  # the KL reference: a frozen copy, or under LoRA the base (adapter off)
+        with lora.reference_of(model, reference) as frozen:
+            rollout.ref_logp = policy_token_stats(frozen, rollout, cfg)["logp"]
     return rollout, rollout_rewards(rollout, grades.result(), cfg)
 
 
@@ -850,7 +854,8 @@ def training_loop(cfg, model, reference, tokenizer, prompts, grader, engine, run
     updates = cfg.num_iterations * method.update_passes  # per rollout batch
     # AdamW (fused on CUDA: one kernel, no foreach temporaries), cosine schedule after a warmup
     adamw = dict(weight_decay=cfg.weight_decay, fused=device.type == "cuda")
-    optimizer = torch.optim.AdamW(model.parameters(), cfg.learning_rate, **adamw)
+    trained = [p for p in model.parameters() if p.requires_grad]  # all, or LoRA's adapter
+    optimizer = torch.optim.AdamW(trained, cfg.learning_rate, **adamw)
     cosine, total = transformers.get_cosine_with_min_lr_schedule_with_warmup, cfg.steps * updates
     warmup = int(cfg.warmup_ratio * total)
     scheduler = cosine(optimizer, warmup, total, min_lr_rate=cfg.min_lr_ratio)
@@ -892,12 +897,13 @@ def training_loop(cfg, model, reference, tokenizer, prompts, grader, engine, run
             draw(run.path, cfg, views)
         run.stop_if_requested(step + 1)  # after a Ctrl-C or SIGTERM: with the checkpoint just saved
     progress.close()
-    checkpoints.save_checkpoint(run.path, "final-model", model, tokenizer)
+    checkpoints.save_checkpoint(run.path, "final-model", lora.merged_model(model), tokenizer)
 
 
 # Options a resumed run may change, none of them its recipe: more --steps extend it (the cosine
 # schedule is then recomputed over the new total), the rest say where and how often it reports.
 RESUME_MAY_CHANGE = ("steps", "save_every", "log_every", "reward_workers", "output_dir")
+RESUME_MAY_CHANGE += ("report_to",)
 
 
 def train(cfg: Config, on_rollout: Callable | None = None) -> Path:
@@ -910,7 +916,7 @@ def train(cfg: Config, on_rollout: Callable | None = None) -> Path:
     print(plots.run_header(cfg), flush=True)
     plots.pyplot()  # fail now, not at the first checkpoint, if matplotlib is missing
     options, plan_options = dataclasses.asdict(cfg), memory_plan.PlanOptions.of(cfg)
-    starting = (cfg.resume, cfg.overwrite_output_dir, RESUME_MAY_CHANGE)
+    starting = (cfg.resume, cfg.overwrite_output_dir, RESUME_MAY_CHANGE, cfg.report_to)
     # locked against a second run, Ctrl-C a stop after the step, a resume's checkpoint checked
     with RunFolder(cfg.output_dir, options, *starting) as run:
         tiny.build_if_missing(cfg.model)
@@ -928,12 +934,14 @@ def train(cfg: Config, on_rollout: Callable | None = None) -> Path:
             print(f"loading {cli.shown_path(weights)} ...", flush=True)
             tokenizer = loading.load_tokenizer(weights)
             prompts = PromptStream(dataset, tokenizer, cfg)
-            transformers.utils.logging.disable_progress_bar()
-            model = loading.load_model(weights, torch.float32, device)  # fp32 master weights
-            reference = loading.load_reference(cfg.model, device) if cfg.beta > 0 else None
+            lora_options = (cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules, cfg.seed)
+            model = loading.load_policy(cfg.model, run.resume_from, device, *lora_options)
+            frozen_copy = cfg.beta > 0 and not cfg.lora_rank  # LoRA's reference: the base itself
+            reference = loading.load_reference(cfg.model, device) if frozen_copy else None
             if cfg.gradient_checkpointing:
                 loading.enable_checkpointing(model)
-            engine = vllm_engine(cfg, device)
+            vllm = (plan_options, device, cfg.vllm_gpu_memory_utilization, cfg.seed)
+            engine = Engine.for_run(cfg.model, *vllm) if cfg.rollout == "vllm" else None
             loop = (model, reference, tokenizer, prompts, grader, engine, run, on_rollout)
             training_loop(cfg, *loop)
     tiny_options = tiny.evaluate_options() if cfg.preset == "tiny" else ()
@@ -941,14 +949,6 @@ def train(cfg: Config, on_rollout: Callable | None = None) -> Path:
     evaluate = cli.command(str(REPOSITORY / "evaluate.py"), *final_model)
     print(plots.run_summary(run.path, time.perf_counter() - start, cfg.temperature, evaluate))
     return run.path
-
-
-def vllm_engine(cfg: Config, device) -> Engine | None:
-    """--rollout vllm's engine, sized for the run's batch; it samples only the weights pushed."""
-    if cfg.rollout == "vllm":
-        size = memory_plan.PlanOptions.of(cfg)
-        share = cfg.vllm_gpu_memory_utilization
-        return Engine(cfg.model, size.positions, size.rows, device, share, cfg.seed)
 
 
 # What a run shows beside metrics.jsonl: tokens.html and curves.png ------------------------------

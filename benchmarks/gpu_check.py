@@ -3,6 +3,7 @@ download, in a few minutes, printing what the CPU tests cannot show.
 
     python -m benchmarks.gpu_check          # R1-Distill-Qwen-1.5B's architecture, 2 steps
     python -m benchmarks.gpu_check --tiny   # the same path at tiny shapes (the tests run it)
+    python -m benchmarks.gpu_check --lora-rank 32   # the -lora presets' frozen bf16 base + adapter
 
 A randomly initialised model of R1-Distill-Qwen-1.5B's exact architecture (its config.json from
 cwgrpo_utils/model_configs/: the full vocabulary, 28 layers), the paper's batch (12 prompts x G =
@@ -19,7 +20,6 @@ fp32.
 """
 
 import argparse
-import dataclasses
 import importlib.util
 import json
 import tempfile
@@ -30,8 +30,9 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import cwgrpo
-from cwgrpo_utils import loading, memory_plan, tiny
+from cwgrpo_utils import loading, lora, memory_plan, tiny
 from cwgrpo_utils.cli import OPTIONAL
+from cwgrpo_utils.vllm_engine import Engine
 
 PAPER_CONFIG = memory_plan.SHIPPED_CONFIGS / "deepseek-ai--DeepSeek-R1-Distill-Qwen-1.5B.json"
 TINY_CONFIG = dict(
@@ -85,7 +86,8 @@ def vllm_check(model, tokenizer, cfg, batch, autocast, hf_decode: float) -> None
         (Path(folder) / "generation_config.json").write_text(json.dumps(gen))
         tokenizer.save_pretrained(folder)
         start = time.perf_counter()
-        engine = cwgrpo.vllm_engine(dataclasses.replace(cfg, model=folder), device)
+        vllm = (memory_plan.PlanOptions.of(cfg), device, cfg.vllm_gpu_memory_utilization, cfg.seed)
+        engine = Engine.for_run(folder, *vllm)
         started = time.perf_counter() - start
     start = time.perf_counter()
     engine.push_weights(model)
@@ -134,6 +136,9 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU or GPU)")
     parser.add_argument("--new-tokens", type=int, default=0, help="default 512 (tiny: 16)")
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument(
+        "--lora-rank", type=int, default=0, help="with a LoRA adapter (presets: 32)"
+    )
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config = TINY_CONFIG if args.tiny else json.loads(PAPER_CONFIG.read_text())
@@ -153,6 +158,8 @@ def main() -> None:
                 str(longest),
                 "--device",
                 device.type,
+                "--lora-rank",
+                str(args.lora_rank),
             ]
         )
         options = memory_plan.PlanOptions.of(cfg)
@@ -165,16 +172,22 @@ def main() -> None:
     )
     tokenizer = tiny.byte_level_qwen2_tokenizer()
     model = random_model(config, device)
-    reference = random_model(config, device)
-    reference.load_state_dict(model.state_dict())
-    if device.type == "cuda":
-        reference.to(torch.bfloat16)  # as loading.load_reference holds it
-    reference.eval().requires_grad_(False)
+    if cfg.lora_rank:  # as loading.load_policy: a frozen base, bf16 on CUDA, and an fp32 adapter
+        base = model.to(torch.bfloat16 if device.type == "cuda" else torch.float32)
+        adapter = (cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
+        model, reference = lora.adapted(base.requires_grad_(False), *adapter), None
+    else:
+        reference = random_model(config, device)
+        reference.load_state_dict(model.state_dict())
+        if device.type == "cuda":
+            reference.to(torch.bfloat16)  # as loading.load_reference holds it
+        reference.eval().requires_grad_(False)
     if cfg.gradient_checkpointing:
         loading.enable_checkpointing(model)
     autocast = loading.autocast(device)
     fused = device.type == "cuda"
-    optimizer = torch.optim.AdamW(model.parameters(), cfg.learning_rate, fused=fused)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, cfg.learning_rate, fused=fused)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -188,7 +201,8 @@ def main() -> None:
             generated = int(rollout.completion_mask.sum())
             decode_s = time.perf_counter() - start
             decode_speeds.append(generated / decode_s)
-            rollout.ref_logp = cwgrpo.policy_token_stats(reference, rollout, cfg)["logp"]
+            with lora.reference_of(model, reference) as frozen:  # LoRA: the adapter off
+                rollout.ref_logp = cwgrpo.policy_token_stats(frozen, rollout, cfg)["logp"]
         rewards = torch.rand(len(rollout.texts), generator=torch.Generator().manual_seed(step))
         rollout.advantages = cwgrpo.group_advantages(rewards, cfg.group_size).to(device)
         start = time.perf_counter()

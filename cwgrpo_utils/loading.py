@@ -15,6 +15,7 @@ from pathlib import Path
 import datasets
 import huggingface_hub
 import torch
+import transformers
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -22,6 +23,8 @@ from transformers import (
     DynamicCache,
     GenerationConfig,
 )
+
+from cwgrpo_utils import lora
 
 OFFLINE_HINT = "the hub cannot be reached from here, so only what is cached loads"
 
@@ -137,7 +140,13 @@ def first_line(error: BaseException) -> str:
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device):
+    adapter = Path(path) / "adapter_config.json"
+    if adapter.is_file():  # a LoRA checkpoint: its base model with the adapter merged in
+        base = json.loads(adapter.read_text())["base_model_name_or_path"]
+        adapted = lora.load_adapter(load_model(base, dtype, device), path, trainable=False)
+        return lora.merged_model(adapted)
     hint = hub_hint(path)
+    transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bar on every run
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except OSError as e:
@@ -147,6 +156,19 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device):
             f"--model"
         ) from None
     return model.to(device)
+
+
+def load_policy(model_path: str, checkpoint, device, lora_rank, alpha, targets, seed: int = 0):
+    """The model trained: fp32 master weights, the checkpoint's when resuming; with LoRA (rank >
+    0) the frozen base, bf16 on CUDA, under an fp32 adapter, the checkpoint's or a fresh one drawn
+    from `seed`."""
+    if not lora_rank:
+        return load_model(str(checkpoint or model_path), torch.float32, device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    base = load_model(model_path, dtype, device).requires_grad_(False)
+    if checkpoint is not None:
+        return lora.load_adapter(base, checkpoint)
+    return lora.adapted(base, lora_rank, alpha, targets, seed)
 
 
 def load_reference(path: str, device: torch.device):
@@ -238,7 +260,8 @@ class KVCache(DynamicCache):
 def cache_argument(model, cache: DynamicCache) -> dict:
     """forward's keyword for a KV cache: transformers 5.2x renamed past_key_values to cache, and
     the 5.1x release vLLM pins has only the old name."""
-    new = "cache" in inspect.signature(model.forward).parameters
+    plain = model.get_base_model() if lora.is_adapted(model) else model  # PEFT's takes **kwargs
+    new = "cache" in inspect.signature(plain.forward).parameters
     return {"cache" if new else "past_key_values": cache}
 
 

@@ -69,6 +69,25 @@ class Architecture:
         layer = attention + 3 * h * self.intermediate + 2 * h
         return self.vocab * h * (1 if self.tied else 2) + self.layers * layer + h
 
+    def projections(self) -> dict[str, tuple[int, int]]:
+        """Each decoder layer's linear layers, name -> (inputs, outputs)."""
+        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_width, self.intermediate
+        attention = dict(q_proj=(h, q), k_proj=(h, kv), v_proj=(h, kv), o_proj=(q, h))
+        return attention | dict(gate_proj=(h, i), up_proj=(h, i), down_proj=(i, h))
+
+    def adapted(self, target_modules: str) -> list[tuple[int, int]]:
+        """The (inputs, outputs) of every linear layer a LoRA adapter on target_modules covers
+        ("all-linear": all of them but the LM head, as PEFT reads it)."""
+        names = target_modules.split(",") if target_modules != "all-linear" else None
+        shapes = [
+            shape for name, shape in self.projections().items() if names is None or name in names
+        ]
+        return shapes * self.layers
+
+    def lora_parameters(self, rank: int, target_modules: str) -> int:
+        """Exact: A (r x inputs) and B (outputs x r) on each adapted layer."""
+        return sum(rank * (n_in + n_out) for n_in, n_out in self.adapted(target_modules))
+
 
 def read_config(model: str) -> dict:
     """config.json of a local folder, of a preset's model (shipped in model_configs/, so the plan
@@ -101,6 +120,8 @@ class PlanOptions:
     beta: float  # 0: no reference model
     gradient_checkpointing: bool
     logit_chunk_elements: int
+    lora_rank: int  # 0: full fine-tuning; else a frozen base under an adapter of this rank
+    lora_target_modules: str
     rollout: str  # "vllm": an engine holds vllm_gpu_memory_utilization of the card as it samples
     vllm_gpu_memory_utilization: float
     steps: int
@@ -140,29 +161,41 @@ def plan(model: str, options: PlanOptions, cuda: bool = True) -> dict:
     """Bytes of each item, the peak of each phase, and the disk, for `model` trained in `options`.
     cuda: bf16 autocast and a bf16 reference, else all fp32."""
     arch = Architecture.from_config(read_config(model))
-    n = arch.parameters()
+    n, rank, targets = arch.parameters(), options.lora_rank, options.lora_target_modules
+    trained = arch.lora_parameters(rank, targets) if rank else n  # LoRA trains its adapter only
     micro_rows, positions = options.micro_rows, options.positions
     half = 2 if cuda else 4  # bf16 on CUDA (autocast, reference, KV cache), fp32 on the CPU
     matmul_weights = n - (0 if arch.tied else arch.vocab * arch.hidden)  # embeddings are looked up
     tokens = micro_rows * positions
-    layer = tokens * layer_activation_bytes(arch, cuda)
     # the fp32 residual stream at a layer boundary, and the LM head's input: each completion
     # token's final hidden state (lm_head.py recomputes the logits in backward)
     stream, head = (
         tokens * arch.hidden * 4,
         micro_rows * options.max_completion_length * arch.hidden * 4,
     )
+    # a layer's activations. LoRA: the frozen norms keep no normalised input for their weights'
+    # gradient (2 H fp32), and each adapter's B keeps its r-wide A x (measured on the CPU with
+    # every linear layer adapted; with fewer, the frozen layers keep less, so this is an upper
+    # bound). The final norm keeps 2 H; frozen, only its input, where no layer keeps it already.
+    adapters_per_layer = len(arch.adapted(targets)) // arch.layers if rank else 0
+    lora_change = half * rank * adapters_per_layer - 2 * arch.hidden * 4 if rank else 0
+    layer = tokens * (layer_activation_bytes(arch, cuda) + lora_change)
+    final_norm = stream * (options.gradient_checkpointing if rank else 2)
     if options.gradient_checkpointing:  # each layer's input, the final norm's; one recomputed
-        saved, recompute = stream * (arch.layers + 2) + tokens * 12 + head, layer
+        saved, recompute = stream * arch.layers + final_norm + tokens * 12 + head, layer
     else:  # every layer's activations, the final norm's and the rotary tables
         rotary = tokens * 4 * (arch.head_dim // 2 + 3)
-        saved, recompute = layer * arch.layers + 2 * stream + rotary + head, 0
-    items = {
-        "weights (fp32)": 4 * n,
-        "gradients (fp32)": 4 * n,
-        "AdamW moments (fp32)": 8 * n,
-        "reference": half * n if options.beta > 0 else 0,
-        "autocast weight copies (bf16)": 2 * matmul_weights if cuda else 0,
+        saved, recompute = layer * arch.layers + final_norm + rotary + head, 0
+    if rank:  # a frozen base (bf16 on CUDA), which with the adapter off is also the reference
+        weights = {"frozen base weights": half * n, "LoRA adapter (fp32)": 4 * trained}
+    else:
+        weights = {"weights (fp32)": 4 * n}
+    items = weights | {
+        "gradients (fp32)": 4 * trained,
+        "AdamW moments (fp32)": 8 * trained,
+        "reference": half * n if options.beta > 0 and not rank else 0,
+        # the bf16 base needs none: only fp32 weights are cast for a matrix multiply
+        "autocast weight copies (bf16)": 2 * (trained if rank else matmul_weights) * cuda,
         "KV cache": options.sampled_rows * positions * arch.layers * 2 * arch.kv_width * half,
         "activations saved for backward": saved,
         "one layer recomputed in backward": recompute,
@@ -171,7 +204,7 @@ def plan(model: str, options: PlanOptions, cuda: bool = True) -> dict:
     engine_share = options.engine_share
     if engine_share:  # the engine's own: its share of the card, counted per card by fits()
         items["KV cache"] = 0
-    resident = items["weights (fp32)"] + items["AdamW moments (fp32)"] + items["reference"]
+    resident = sum(weights.values()) + items["AdamW moments (fp32)"] + items["reference"]
     phases = {
         "rollout": resident
         + items["autocast weight copies (bf16)"] * (not engine_share)
@@ -192,7 +225,7 @@ def plan(model: str, options: PlanOptions, cuda: bool = True) -> dict:
         "peak": max(phases.values()),
         "engine_share": engine_share,
         "engine_weights": 2 * n if engine_share else 0,  # bf16, within the engine's share
-        "disk": disk(n, options),
+        "disk": disk(n, trained, options, half),
         "rows": options.rows,
         "positions": positions,
     }
@@ -212,17 +245,15 @@ def layer_activation_bytes(arch: Architecture, cuda: bool) -> int:
     return 4 * (6 * h + 2) + 2 * (2 * h + 4 * i + 2 * kv) + 4 * arch.heads + 2 * 5 * h
 
 
-def disk(n: int, options: PlanOptions) -> dict:
-    """A checkpoint holds the fp32 weights and AdamW's moments; only the newest keeps the moments
-    (resume needs no older ones), and --save-total-limit keeps the newest few."""
+def disk(n: int, trained: int, options: PlanOptions, half: int = 4) -> dict:
+    """A checkpoint holds the fp32 weights trained (with LoRA its adapter) and AdamW's moments;
+    only the newest keeps the moments (resume needs no older ones), and --save-total-limit keeps
+    the newest few. The final model is whole: fp32, or with LoRA merged into the base's dtype."""
     saves = math.ceil(options.steps / options.save_every)
     kept = min(saves, options.save_total_limit or saves)
-    weights, moments = 4 * n, 8 * n
-    return {
-        "checkpoint": weights + moments,
-        "run": kept * weights + moments + weights,
-        "kept": kept,
-    }
+    weights, moments = 4 * trained, 8 * trained
+    final = half * n if options.lora_rank else 4 * n
+    return {"checkpoint": weights + moments, "run": kept * weights + moments + final, "kept": kept}
 
 
 def holds(p: dict, card_bytes: float, free_bytes: float | None = None) -> bool:

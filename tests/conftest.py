@@ -7,7 +7,7 @@ import pytest
 
 import cwgrpo
 from cwgrpo_utils import tiny
-from tests.support import ROLLOUT
+from tests.support import FEATURES, ROLLOUT
 
 
 @pytest.fixture(autouse=True)
@@ -33,6 +33,7 @@ def tiny_args(tiny_base):
         str(tiny_base / "arithmetic.jsonl"),
         "--rollout",
         ROLLOUT,
+        *FEATURES,
     ]
 
 

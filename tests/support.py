@@ -19,6 +19,11 @@ HERE = Path(__file__).parent
 # CWGRPO_TEST_ROLLOUT=vllm runs the whole-run tests (kill anywhere, degenerate batches, bad input)
 # with --rollout vllm, in a venv with vLLM (.ci/run; README "Fast rollouts with vLLM")
 ROLLOUT = os.environ.get("CWGRPO_TEST_ROLLOUT", "hf")
+# CWGRPO_TEST_LORA=1 runs them with a LoRA adapter and --report-to tensorboard; =ci with the kill
+# points where the adapter matters (.ci/run)
+LORA = os.environ.get("CWGRPO_TEST_LORA", "")
+LORA_ARGS = ["--lora-rank", "4", "--lora-alpha", "8", "--learning-rate", "3e-3"]
+FEATURES = [*LORA_ARGS, "--report-to", "tensorboard"] if LORA else []
 
 # A Qwen2 of a shape the tiny model is not, and the plan's count was not fit on: an untied head,
 # 6 heads of 16, 2 KV heads
@@ -42,6 +47,19 @@ def started_run(*args, out: Path, **popen) -> subprocess.Popen:
     while not (out / "metrics.jsonl").exists() and time.time() < deadline and run.poll() is None:
         time.sleep(0.2)
     return run
+
+
+def tensorboard_records(run: Path) -> list[dict]:
+    """A run's TensorBoard scalars, read back by TensorBoard's own reader, as metrics.jsonl's
+    records (step and numbers; no timings)."""
+    reader = importlib.import_module("tensorboard.backend.event_processing.event_accumulator")
+    events = reader.EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    steps = {}
+    for tag in events.Tags()["scalars"]:
+        for event in events.Scalars(tag):
+            steps.setdefault(event.step, {"step": event.step})[tag] = event.value
+    return [{k: v for k, v in steps[s].items() if k not in TIMING_KEYS} for s in sorted(steps)]
 
 
 def run_cli(*args, timeout=600):

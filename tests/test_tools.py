@@ -295,9 +295,10 @@ def test_ties_fill_every_decile():
     assert sizes == [10] * 10
 
 
-def test_gpu_check_runs_at_tiny_shapes():
+@pytest.mark.parametrize("lora_rank", ["0", "4"])
+def test_gpu_check_runs_at_tiny_shapes(lora_rank):
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_check", "--tiny"],
+        [sys.executable, "-m", "benchmarks.gpu_check", "--tiny", "--lora-rank", lora_rank],
         capture_output=True,
         text=True,
         timeout=600,  # a hang guard
@@ -308,6 +309,7 @@ def test_gpu_check_runs_at_tiny_shapes():
     assert lines[0].startswith("device: cpu; 137,280 parameters; 12 prompts x G = 12")
     assert lines[1].startswith("step 1: decode ") and lines[2].startswith("step 2: decode ")
     assert "KV cache dtype: torch.float32" in lines
+    assert "; kl 0; " in lines[1]  # the reference is the policy at step 1 (with LoRA: the base)
     assert (
         "every logit finite after a left-padded prefill: cwgrpo's mask True, plain mask True"
         in lines

@@ -19,7 +19,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 pytest.importorskip("vllm")
 import cwgrpo  # noqa: E402
-from cwgrpo_utils import loading, tiny  # noqa: E402
+from cwgrpo_utils import loading, lora, tiny  # noqa: E402
 from cwgrpo_utils.vllm_engine import Engine  # noqa: E402
 from tests.support import ROOT, fault_run, load_evaluate, processes_tagged, read_metrics  # noqa: E402
 from tools import diagnose  # noqa: E402
@@ -80,6 +80,31 @@ def test_greedy_vllm_equals_greedy_hf_also_after_a_real_step_and_the_push(long_m
     assert not torch.equal(after_hf.completion_ids, hf.completion_ids)  # the step changed them
     assert_same_completions(after_hf, after_ours)
     # greedy tokens can survive stale keys of a cached prompt block; log-probs cannot
+    torch.manual_seed(0)
+    how = cwgrpo.Sampling(2, 1.0, 1.0, 0, 24)
+    sampled = cwgrpo.generate_completions(model, tokenizer, prompts, how, engine=engine)
+    assert_logprobs_are_the_trainers(model, sampled)
+
+
+def test_with_lora_the_engine_samples_base_plus_adapter_merged(long_model):
+    """After a real optimizer step on a LoRA adapter, greedy vLLM equals the trainer's greedy
+    token for token and its log-probs are the trainer's: the push sends W + (alpha / r) B A."""
+    base, tokenizer = load(long_model)
+    model = lora.adapted(base.requires_grad_(False), 8, 32, "all-linear", seed=0)
+    prompts = [list(range(40, 40 + 200)), [50] * 3]
+    engine = Engine(str(long_model), 256, 4, CPU, seed=0)
+    before, _ = greedy(engine, model, tokenizer, prompts)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-2)
+    ids = torch.cat([before.prompt_ids, before.completion_ids], 1)
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    model.eval()
+    hf, ours = greedy(engine, model, tokenizer, prompts)
+    assert not torch.equal(hf.completion_ids, before.completion_ids)  # the adapter changed them
+    assert_same_completions(hf, ours)
+    # the trainer's greedy after the step is not the base's (`before`, B = 0), so a push of the
+    # base alone would fail the line above; log-probs tell apart what greedy tokens may not
     torch.manual_seed(0)
     how = cwgrpo.Sampling(2, 1.0, 1.0, 0, 24)
     sampled = cwgrpo.generate_completions(model, tokenizer, prompts, how, engine=engine)

@@ -28,7 +28,9 @@ import cwgrpo
 from cwgrpo_utils import checkpoints, loading, plots
 from cwgrpo_utils.cli import arg, parse_dataclasses
 from cwgrpo_utils.lm_head import squared_probability_mass
+from cwgrpo_utils.memory_plan import PlanOptions
 from cwgrpo_utils.run_folder import append_record, keep_records_until
+from cwgrpo_utils.vllm_engine import Engine
 
 CONCENTRATION_CUTOFFS = (0.0001, 0.001, 0.01, 0.1, 1.0)  # top 0.01% ... 100% of one side
 PAPER_CONCENTRATION = {0.0001: (11.5, -13.6), 1.0: (0.06, -0.04)}  # CW-GRPO, R1-Distill-1.5B
@@ -278,7 +280,8 @@ def diagnostics_markdown(report: dict, cfg: cwgrpo.Config, source: str) -> str:
 # Options of a training run that one diagnosed batch has no use for: out of its --help, refused
 TRAINING_ONLY = ("resume", "overwrite_output_dir", "steps", "save_every", "save_total_limit")
 TRAINING_ONLY += ("log_every", "output_dir", "learning_rate", "min_lr_ratio", "warmup_ratio")
-TRAINING_ONLY += ("weight_decay", "max_grad_norm", "num_iterations")
+TRAINING_ONLY += ("weight_decay", "max_grad_norm", "num_iterations", "report_to")
+TRAINING_ONLY += ("lora_rank", "lora_alpha", "lora_target_modules")  # it measures --model as it is
 
 
 def batch(argv: list) -> Path | None:
@@ -309,7 +312,8 @@ def batch(argv: list) -> Path | None:
         tokenizer,
         cfg,
     )
-    engine = cwgrpo.vllm_engine(cfg, device)
+    vllm = (PlanOptions.of(cfg), device, cfg.vllm_gpu_memory_utilization, cfg.seed)
+    engine = Engine.for_run(cfg.model, *vllm) if cfg.rollout == "vllm" else None
     grader = cwgrpo.Grader(cfg.reward_timeout_s, cfg.reward_workers)
     with autocast():
         batch_prompts = prompts.next_batch(cfg.prompts_per_step)
