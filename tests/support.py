@@ -10,6 +10,9 @@ import time
 from html.parser import HTMLParser
 from pathlib import Path
 
+import torch
+
+import cwgrpo
 from cwgrpo_utils import checkpoints
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,6 +63,27 @@ def tensorboard_records(run: Path) -> list[dict]:
         for event in events.Scalars(tag):
             steps.setdefault(event.step, {"step": event.step})[tag] = event.value
     return [{k: v for k, v in steps[s].items() if k not in TIMING_KEYS} for s in sorted(steps)]
+
+
+def saved_activation_bytes(model, cfg, rows: int, prompt: int, new: int) -> int:
+    """The bytes completion_logprobs keeps for backward on a batch of random tokens of rows x
+    (prompt + new): the unique storages saved_tensors_hooks sees, the weights left out."""
+    vocab = model.config.vocab_size
+    rollout = cwgrpo.Rollout(
+        torch.randint(0, vocab, (rows, prompt)), torch.ones(rows, prompt).long(),
+        torch.randint(0, vocab, (rows, new)), torch.ones(rows, new),
+        torch.zeros(rows, dtype=torch.bool), [""] * rows, torch.zeros(rows, new),
+    )  # fmt: skip
+    storages, weights = {}, {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def saved(tensor):
+        if tensor.numel():
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(saved, lambda tensor: tensor):
+        cwgrpo.completion_logprobs(model, rollout, cfg)
+    return sum(size for pointer, size in storages.items() if pointer not in weights)
 
 
 def run_cli(*args, timeout=600):

@@ -18,6 +18,7 @@ from tests.support import (
     Crash,
     crash_at_save,
     read_metrics,
+    saved_activation_bytes,
     tensorboard_records,
 )
 
@@ -126,22 +127,7 @@ def test_the_lora_plan_is_the_real_allocations(tmp_path, targets, checkpointing)
     # activations: what the adapted model saves for backward, as the full model's are checked
     if checkpointing:
         loading.enable_checkpointing(model)
-    rows, prompt, new = 4, 24, 40
-    rollout = cwgrpo.Rollout(
-        torch.randint(0, 300, (rows, prompt)), torch.ones(rows, prompt).long(),
-        torch.randint(0, 300, (rows, new)), torch.ones(rows, new),
-        torch.zeros(rows, dtype=torch.bool), [""] * rows, torch.zeros(rows, new),
-    )  # fmt: skip
-    storages, weights = {}, {p.untyped_storage().data_ptr() for p in model.parameters()}
-
-    def saved(tensor):
-        if tensor.numel():
-            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(saved, lambda tensor: tensor):
-        cwgrpo.completion_logprobs(model, rollout, cfg)
-    measured = sum(size for pointer, size in storages.items() if pointer not in weights)
+    measured = saved_activation_bytes(model, cfg, 4, 24, 40)
     planned = items["activations saved for backward"]
     if targets == "all-linear":
         assert measured == pytest.approx(planned, rel=0.03)
@@ -170,11 +156,14 @@ def test_report_to_checks_the_tracker_and_its_library_at_parse_time():
         with pytest.raises(SystemExit) as error:
             cwgrpo.parse_config(["--preset", "tiny", "--report-to", name])
         assert str(error.value).endswith(f"which is not installed: pip install {name}")
-    cfg = cwgrpo.parse_config(["--preset", "tiny", "--report-to", "tensorboard"])
-    assert cfg.report_to == ["tensorboard"] and cwgrpo.Config().report_to == ["none"]
+    assert cwgrpo.Config().report_to == ["none"]
+    if "tensorboard" not in missing:
+        cfg = cwgrpo.parse_config(["--preset", "tiny", "--report-to", "tensorboard"])
+        assert cfg.report_to == ["tensorboard"]
 
 
 def test_tensorboard_holds_every_metric_at_its_step_and_the_options(tmp_path, TINY_RUN):
+    pytest.importorskip("tensorboard")
     out = tmp_path / "run"
     args = [*TINY_RUN, "--report-to", "tensorboard", "--output-dir", str(out)]
     cwgrpo.train(cwgrpo.parse_config([*args, "--steps", "2"]))

@@ -12,7 +12,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import cwgrpo
 from cwgrpo_utils import checkpoints, loading, memory_plan
-from tests.support import ROOT, SMALL_SHAPE, read_metrics
+from tests.support import ROOT, SMALL_SHAPE, read_metrics, saved_activation_bytes
 
 
 @pytest.fixture(scope="module")
@@ -112,26 +112,7 @@ def test_activations_saved_for_backward_are_the_plans(plan_model, checkpointing)
     cfg = cwgrpo.parse_config(["--max-prompt-length", "24", "--max-completion-length", "40"])
     planned = memory_plan.plan(str(folder), options, cuda=False)["items"]
     rows, prompt, new = 4, options.max_prompt_length, options.max_completion_length
-    rollout = cwgrpo.Rollout(
-        torch.randint(0, 300, (rows, prompt)),
-        torch.ones(rows, prompt).long(),
-        torch.randint(0, 300, (rows, new)),
-        torch.ones(rows, new),
-        torch.zeros(rows, dtype=torch.bool),
-        [""] * rows,
-        torch.zeros(rows, new),
-        [""] * rows,
-    )
-    storages, parameters = {}, {p.untyped_storage().data_ptr() for p in model.parameters()}
-
-    def saved(tensor):
-        if tensor.numel():
-            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(saved, lambda tensor: tensor):
-        cwgrpo.completion_logprobs(model, rollout, cfg)
-    measured = sum(size for pointer, size in storages.items() if pointer not in parameters)
+    measured = saved_activation_bytes(model, cfg, rows, prompt, new)
     assert measured == pytest.approx(planned["activations saved for backward"], rel=0.03)
     if checkpointing:  # the layer recomputed in backward holds what one layer saves without it
         per_layer = memory_plan.layer_activation_bytes(

@@ -70,12 +70,7 @@ def test_greedy_vllm_equals_greedy_hf_also_after_a_real_step_and_the_push(long_m
     engine = Engine(str(long_model), 256, 6, CPU, seed=0)
     hf, ours = greedy(engine, model, tokenizer, prompts)
     assert_same_completions(hf, ours)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
-    ids = torch.cat([hf.prompt_ids, hf.completion_ids], 1)
-    model.train()
-    model(input_ids=ids, labels=ids).loss.backward()
-    optimizer.step()
-    model.eval()
+    one_step(model, hf)
     after_hf, after_ours = greedy(engine, model, tokenizer, prompts)
     assert not torch.equal(after_hf.completion_ids, hf.completion_ids)  # the step changed them
     assert_same_completions(after_hf, after_ours)
@@ -94,12 +89,7 @@ def test_with_lora_the_engine_samples_base_plus_adapter_merged(long_model):
     prompts = [list(range(40, 40 + 200)), [50] * 3]
     engine = Engine(str(long_model), 256, 4, CPU, seed=0)
     before, _ = greedy(engine, model, tokenizer, prompts)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-2)
-    ids = torch.cat([before.prompt_ids, before.completion_ids], 1)
-    model.train()
-    model(input_ids=ids, labels=ids).loss.backward()
-    optimizer.step()
-    model.eval()
+    one_step(model, before)
     hf, ours = greedy(engine, model, tokenizer, prompts)
     assert not torch.equal(hf.completion_ids, before.completion_ids)  # the adapter changed them
     assert_same_completions(hf, ours)
@@ -109,6 +99,16 @@ def test_with_lora_the_engine_samples_base_plus_adapter_merged(long_model):
     how = cwgrpo.Sampling(2, 1.0, 1.0, 0, 24)
     sampled = cwgrpo.generate_completions(model, tokenizer, prompts, how, engine=engine)
     assert_logprobs_are_the_trainers(model, sampled)
+
+
+def one_step(model, rollout) -> None:
+    """A real AdamW step on the weights trained (with LoRA the adapter's), on a rollout's tokens."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-2)
+    ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    model.eval()
 
 
 def assert_logprobs_are_the_trainers(model, out):
