@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 from typing import Literal
 
-from cwgrpo_utils import REPOSITORY, TINY_BASE, cli, trackers
+from cwgrpo_utils import REPOSITORY, TINY_BASE, TINY_CHAIN_BASE, cli, trackers
 from cwgrpo_utils.cli import arg
 
 # 1. Config --------------------------------------------------------------------------------------
@@ -32,19 +32,21 @@ PRESETS = {
     # The 1.5B recipe on one 24 GB card: TRL's quick-start model, 3,072 positions, 4 prompts at once
     "qwen0.5b-24gb": dict(model="Qwen/Qwen2.5-0.5B-Instruct", max_completion_length=3072)
     | dict(rollout_chunk=4),
-    # a model and task of cwgrpo_utils/tiny.py, built in the clone on first use
-    "tiny": dict(model=f"{TINY_BASE}/model", dataset=f"{TINY_BASE}/arithmetic.jsonl")
-    | dict(system_prompt="", group_size=8, prompts_per_step=8, groups_per_micro_batch=0)
-    | dict(max_prompt_length=64, max_completion_length=40, length_limit="new", temperature=1.0)
-    | dict(learning_rate=7e-4, warmup_ratio=0.05, steps=200, save_every=50, seed=0)
-    | dict(gradient_checkpointing=False),
 }
+# tiny: a model and task of cwgrpo_utils/tiny.py, built in the clone on first use; tiny-chain: the
+# same model on four digits summed step by step, three decisions a completion
+TINY = dict(system_prompt="", group_size=8, prompts_per_step=8, groups_per_micro_batch=0, seed=0)
+TINY |= dict(max_prompt_length=64, length_limit="new", temperature=1.0, learning_rate=7e-4)
+TINY |= dict(warmup_ratio=0.05, steps=200, save_every=50, gradient_checkpointing=False)
+for preset, base, length in (("tiny", TINY_BASE, 40), ("tiny-chain", TINY_CHAIN_BASE, 64)):
+    PRESETS[preset] = TINY | dict(model=f"{base}/model", dataset=f"{base}/arithmetic.jsonl")
+    PRESETS[preset] |= dict(max_completion_length=length)
 # LoRA on every linear layer at 10x full fine-tuning's learning rate ("LoRA Without Regret")
 LORA = dict(lora_rank=32, learning_rate=1e-5)
 # The paper's model and recipe on one 24 GB card: LoRA, 3,072 positions, 4 prompts sampled at once
 PRESETS["paper-1.5b-lora-24gb"] = LORA | dict(max_completion_length=3072, rollout_chunk=4)
 PRESETS["paper-7b-lora-80gb"] = PRESETS["paper-7b"] | LORA  # Qwen2.5-Math-7B on one 80 GB card
-GPU_PRESETS = tuple(name for name in PRESETS if name != "tiny")
+GPU_PRESETS = tuple(name for name in PRESETS if not name.startswith("tiny"))
 # The options each method of section 7 reads; its keys are the --method choices
 METHOD_OPTIONS = {"grpo": (), "cw": ("cw_norm", "cw_detach", "cw_reading")}
 METHOD_OPTIONS |= {"clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub")}
@@ -944,8 +946,7 @@ def train(cfg: Config, on_rollout: Callable | None = None) -> Path:
             engine = Engine.for_run(cfg.model, *vllm) if cfg.rollout == "vllm" else None
             loop = (model, reference, tokenizer, prompts, grader, engine, run, on_rollout)
             training_loop(cfg, *loop)
-    tiny_options = tiny.evaluate_options() if cfg.preset == "tiny" else ()
-    final_model = ("--model", str(run.path / "final-model"), *tiny_options)
+    final_model = ("--model", str(run.path / "final-model"), *tiny.evaluate_options(cfg.preset))
     evaluate = cli.command(str(REPOSITORY / "evaluate.py"), *final_model)
     print(plots.run_summary(run.path, time.perf_counter() - start, cfg.temperature, evaluate))
     return run.path

@@ -19,7 +19,7 @@ import cwgrpo
 from cwgrpo import Grader, cw_weights, format_reward, grade_accuracy, group_advantages
 from cwgrpo_utils import loading, tiny
 from cwgrpo_utils.grading_pool import LogCounter
-from tests.support import SMALL_SHAPE
+from tests.support import ROOT, SMALL_SHAPE
 
 
 @pytest.fixture(autouse=True)
@@ -359,6 +359,52 @@ def test_numeric_options_out_of_range_are_refused_at_parse_time(option, value, r
     prefix = f"error: {option} must be {rule}; got "
     assert str(refused.value).startswith(prefix)
     assert float(str(refused.value)[len(prefix) :]) == float(value)
+
+
+def test_the_warm_start_imitates_every_chain_of_right_and_near_miss_steps():
+    # one step (the tiny preset): the right sum, then one above and one below
+    assert tiny.warmstart_targets("2+3") == [
+        f"2+3={s}\n</think>\n\\boxed{{{s}}}" for s in (5, 6, 4)
+    ]
+    assert [t.split("=")[1][0] for t in tiny.warmstart_targets("0+0")] == ["0", "1", "2"]
+    # three steps (tiny-chain): each step adds the next digit to the value written before it,
+    # right 4 times in 6, else 1 or 2 above
+    chains = tiny.warmstart_targets("2+3+1+0")
+    assert len(chains) == 6**3
+    right = "2+3=5\n5+1=6\n6+0=6\n</think>\n\\boxed{6}"
+    assert chains[0] == right and chains.count(right) == 4**3
+    assert chains.count("2+3=6\n6+1=7\n7+0=7\n</think>\n\\boxed{7}") == 4**2  # an error carried
+    # a wrong step is never undone: the right answer comes only with every step right
+    assert [c for c in chains if c.endswith("\\boxed{6}")] == [right] * 4**3
+    assert not [c for c in chains if "=4\n" in c]  # no result below the right one
+
+
+def test_the_chain_preset_builds_its_own_task_and_evaluates_on_every_problem(tmp_path):
+    out = tiny.build(str(tmp_path / "chain"), "tiny-chain", warmstart_steps=1, examples=30)
+    rows = [json.loads(line) for line in (out / "arithmetic.jsonl").read_text().splitlines()]
+    assert len(rows) == 30
+    for row in rows:
+        digits = [int(d) for d in row["problem"].split("+")]
+        assert len(digits) == 4 and all(0 <= d <= 3 for d in digits)
+        assert row["solution"] == f"\\boxed{{{sum(digits)}}}"
+    made = (out / "model" / "model.safetensors").stat().st_mtime_ns
+    tiny.build(str(tmp_path / "chain"), "tiny-chain", warmstart_steps=1, examples=30)
+    assert (out / "model" / "model.safetensors").stat().st_mtime_ns == made  # built once
+    options = tiny.evaluate_options("tiny-chain")
+    bench = Path(options[options.index("--benchmarks") + 1])
+    problems = [json.loads(line) for line in (ROOT / bench).read_text().splitlines()]
+    assert len({p["problem"] for p in problems}) == 4**4
+    assert all(sum(map(int, p["problem"].split("+"))) == int(p["answer"]) for p in problems)
+    assert options[options.index("--max-new-tokens") + 1] == "64"
+    assert tiny.evaluate_options("paper-1.5b") == ()
+    data = ["--model", str(out / "model"), "--dataset", str(out / "arithmetic.jsonl")]
+    run = ["--steps", "2", "--output-dir", str(tmp_path / "r")]
+    cwgrpo.train(cwgrpo.parse_config(["--preset", "tiny-chain", *data, *run]))
+    records = read_metrics(tmp_path / "r" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2]
+    assert cwgrpo.parse_config(["--preset", "tiny-chain"]).model == str(
+        ROOT / "runs/tiny-chain-base/model"
+    )
 
 
 def test_tiny_run_writes_metrics_checkpoints_and_model(tiny_run):

@@ -10,11 +10,15 @@ Each module knows nothing of cwgrpo and never imports it (as cleanRL keeps clean
 - checkpoints: checkpoints written atomically, the RNG states they hold
 - memory_plan: the GPU memory and disk a run needs, before anything loads
 - plots, token_page: what a run shows a person
-- tiny: the tiny preset's model and task, built on first use
+- tiny: the tiny presets' models and tasks, built on first use
 - vllm_engine: the optional vLLM sampler
 """
 
 from pathlib import Path
 
 REPOSITORY = Path(__file__).resolve().parent.parent  # the clone's root, whatever the working folder
-TINY_BASE = REPOSITORY / "runs" / "tiny-base"  # the tiny preset's model and data, one per clone
+# the tiny presets' models and data, one per clone
+TINY_BASE, TINY_CHAIN_BASE = (
+    REPOSITORY / "runs" / "tiny-base",
+    REPOSITORY / "runs" / "tiny-chain-base",
+)

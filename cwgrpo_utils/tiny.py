@@ -1,13 +1,18 @@
-"""The tiny preset's model and data, built once so that cwgrpo.py trains it like any other.
+"""The tiny presets' models and data, built once so that cwgrpo.py trains them like any other.
 
     python cwgrpo.py --method cw --preset tiny        # builds it on first use, then trains it
     python -m cwgrpo_utils.tiny --overwrite           # rebuilds it
+    python -m cwgrpo_utils.tiny --preset tiny-chain   # the task of several decisions
 
 A Qwen2 of 115k parameters with Qwen2's byte-level tokenizer (256 byte tokens and the ChatML
-specials), given a few seconds of supervised warm-start on a synthetic task: single-digit sums
+specials), given a few seconds of supervised warm-start on a synthetic task: sums of single digits
 whose gold is written in \\boxed{} like a MATH solution, so cwgrpo's math-verify reward grades it.
-The warm-start teaches the format and three candidate sums per question, one right; RL then has to
-learn which one is right.
+A completion adds the digits one at a time, a line a step ("2+1=3\\n3+3=6\\n"), then boxes the last
+result. The warm-start teaches the format and three candidate results at each step, one right
+(the carried value plus the digit) and two off by one; RL then has to learn which one is right.
+- tiny: a+b, one decision, the answer's: the quick demo.
+- tiny-chain: a+b+c+d, three dependent decisions; a wrong step carries into the next ones (two
+  errors can cancel), so the model starts right about a quarter of the time.
 """
 
 import dataclasses
@@ -16,6 +21,7 @@ import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import datasets
 import torch
@@ -24,18 +30,29 @@ from tqdm import tqdm
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from cwgrpo_utils import REPOSITORY, TINY_BASE
+from cwgrpo_utils import REPOSITORY, TINY_BASE, TINY_CHAIN_BASE
 from cwgrpo_utils.checkpoints import save_checkpoint
 from cwgrpo_utils.cli import arg, parse_dataclasses, shown_path
 
-BENCHMARK = REPOSITORY / "benchmarks" / "tiny-arithmetic.jsonl"
+# Each tiny preset's task: the problems add `operands` digits, a decision a step; where it is
+# built, how long its warm-start is, its benchmark (every problem of the task) and completion limit
+TASKS = {
+    "tiny": dict(base=TINY_BASE, operands=2, warmstart_steps=250)
+    | dict(benchmark="tiny-arithmetic.jsonl", max_new_tokens=40),
+    "tiny-chain": dict(base=TINY_CHAIN_BASE, operands=4, warmstart_steps=1000)
+    | dict(benchmark="tiny-chain.jsonl", max_new_tokens=64),
+}
 
 
-def evaluate_options() -> tuple[str, ...]:
-    """evaluate.py's options for a tiny model: its benchmark, bare questions, plain sampling."""
+def evaluate_options(preset: str) -> tuple[str, ...]:
+    """evaluate.py's options for a tiny preset's model: its benchmark, bare questions, plain
+    sampling; none for the other presets."""
+    if preset not in TASKS:
+        return ()
+    bench = shown_path(REPOSITORY / "benchmarks" / TASKS[preset]["benchmark"])
     prompts = ("--gold-format", "expr", "--prompt-template", "{question}")
-    sampling = ("--top-p", "1.0", "--max-new-tokens", "40")
-    return ("--benchmarks", shown_path(BENCHMARK), *prompts, *sampling)
+    sampling = ("--top-p", "1.0", "--max-new-tokens", str(TASKS[preset]["max_new_tokens"]))
+    return ("--benchmarks", bench, *prompts, *sampling)
 
 
 CHATML_TEMPLATE = (
@@ -46,11 +63,12 @@ CHATML_TEMPLATE = (
 
 @dataclass
 class TinyConfig:
-    output_dir: str = arg(str(TINY_BASE), "gets model/ and arithmetic.jsonl")
+    preset: Literal[tuple(TASKS)] = arg("tiny", "the preset whose model and task to build")
+    output_dir: str = arg("", "gets model/ and arithmetic.jsonl; default: the preset's base")
     seed: int = arg(0, "seed of the model's initialisation, the data and the warm-start")
-    warmstart_steps: int = arg(250, "supervised steps of 32 examples before RL")
+    warmstart_steps: int = arg(0, "supervised steps of 32 examples before RL; 0: the preset's")
     examples: int = arg(2000, "synthetic problems in arithmetic.jsonl")
-    max_operand: int = arg(3, "the problems add two integers from 0 to this")
+    max_operand: int = arg(3, "the problems add integers from 0 to this")
     overwrite: bool = arg(False, "rebuild even if the folder holds this very model")
 
 
@@ -91,38 +109,58 @@ def tiny_qwen2(tokenizer, seed: int) -> Qwen2ForCausalLM:
     return model
 
 
-def arithmetic_dataset(seed: int, n: int = 2000, max_operand: int = 3) -> datasets.Dataset:
-    """Two-number sums; the gold is written in \\boxed{} like a MATH solution."""
+def arithmetic_dataset(
+    seed: int, n: int = 2000, max_operand: int = 3, operands: int = 2
+) -> datasets.Dataset:
+    """Sums of `operands` integers; the gold is written in \\boxed{} like a MATH solution."""
     rng = random.Random(seed)
-    pairs = [(rng.randint(0, max_operand), rng.randint(0, max_operand)) for _ in range(n)]
+    problems = [[rng.randint(0, max_operand) for _ in range(operands)] for _ in range(n)]
     return datasets.Dataset.from_dict(
         {
-            "problem": [f"{a}+{b}" for a, b in pairs],
-            "solution": [f"\\boxed{{{a + b}}}" for a, b in pairs],
+            "problem": ["+".join(map(str, digits)) for digits in problems],
+            "solution": [f"\\boxed{{{sum(digits)}}}" for digits in problems],
         }
     )
 
 
 def warmstart_targets(question: str) -> list[str]:
-    """The completions the warm-start imitates: in format, with the right sum in one of three and
-    a near miss (off by one either way) in the others. The model starts knowing the format and
-    the candidates, right about a third of the time; RL has to teach it which sum is right."""
-    a, b = map(int, question.split("+"))
-    near_misses = (a + b + 1, a + b - 1) if a + b else (1, 2)
-    return [f"{a}+{b}={s}\n</think>\n\\boxed{{{s}}}" for s in (a + b, *near_misses)]
+    """The completions the warm-start imitates, in its proportions: in format, a line a step, each
+    step's result the right one (carried value plus digit) or a near miss, in every combination.
+    One step (tiny): the right sum or one off either way, a third each. Several (tiny-chain): the
+    right result two times in three, else one or two above it, so a wrong step carries into the
+    answer and no later one cancels it: right (2/3) ** 3, about 30% of the time, for three steps.
+    RL has to teach the model which result is right at each step."""
+    first, *digits = map(int, question.split("+"))
+    chains = [("", first)]  # (the lines so far, the value they carry)
+    for digit in digits:
+        chains = [
+            (f"{lines}{carried}+{digit}={s}\n", s)
+            for lines, carried in chains
+            for s in candidates(carried + digit, len(digits))
+        ]
+    return [f"{lines}</think>\n\\boxed{{{carried}}}" for lines, carried in chains]
+
+
+def candidates(right: int, steps: int) -> tuple[int, ...]:
+    """A step's plausible results, the right one first, each as often as the warm-start sees it."""
+    if steps > 1:
+        return (right,) * 4 + (right + 1, right + 2)
+    return (right, right + 1, right - 1) if right else (right, 1, 2)
 
 
 def warm_start(model, tokenizer, questions: list[str], steps: int) -> None:
     """Next-token cross-entropy on reference completions: the format, and some of the sums."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    examples = []
-    for question in questions:  # as cwgrpo.py's prompts without a system prompt
+    per_question = {}  # the task repeats its questions: each is templated and tokenised once
+    for question in set(questions):  # as cwgrpo.py's prompts without a system prompt
         chat = [{"role": "user", "content": question}]
         prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)
         prompt = prompt["input_ids"]
-        for target in warmstart_targets(question):
-            answer = tokenizer(target, add_special_tokens=False)["input_ids"]
-            examples.append((prompt + answer + [tokenizer.eos_token_id], len(prompt)))
+        answers = tokenizer(warmstart_targets(question), add_special_tokens=False)["input_ids"]
+        per_question[question] = [
+            (prompt + answer + [tokenizer.eos_token_id], len(prompt)) for answer in answers
+        ]
+    examples = [example for question in questions for example in per_question[question]]
     model.train()
     for _ in tqdm(range(steps), desc="warm-start", disable=not sys.stderr.isatty()):
         batch = random.sample(examples, 32)
@@ -139,27 +177,31 @@ def warm_start(model, tokenizer, questions: list[str], steps: int) -> None:
 
 
 def build(
-    output_dir: str = str(TINY_BASE),
+    output_dir: str = "",
+    preset: str = "tiny",
     seed: int = 0,
-    warmstart_steps: int = 250,
+    warmstart_steps: int = 0,
     examples: int = 2000,
     max_operand: int = 3,
     overwrite: bool = False,
 ) -> Path:
-    """Writes <output_dir>/arithmetic.jsonl and the warm-started <output_dir>/model; returns the
+    """Writes <output_dir>/arithmetic.jsonl and the warm-started <output_dir>/model for a tiny
+    preset (by default in its base folder, for as many warm-start steps as it takes); returns the
     folder. A folder that already holds a model built with the same settings and task is left as
     it is unless overwrite; any other is rebuilt."""
-    out, settings = (
-        Path(output_dir),
-        {
-            "seed": seed,
-            "warmstart_steps": warmstart_steps,
-            "examples": examples,
-            "max_operand": max_operand,
-            "targets": warmstart_targets("2+3"),
-            "heads": [2, 1],  # query and KV heads: a model built with 4 and 2 is rebuilt
-        },
+    task = TASKS[preset]
+    out, warmstart_steps = (
+        Path(output_dir or task["base"]),
+        warmstart_steps or task["warmstart_steps"],
     )
+    settings = {
+        "seed": seed,
+        "warmstart_steps": warmstart_steps,
+        "examples": examples,
+        "max_operand": max_operand,
+        "targets": warmstart_targets("+".join("2301"[: task["operands"]])),
+        "heads": [2, 1],  # query and KV heads: a model built with 4 and 2 is rebuilt
+    }
     made_with = out / "tiny.json"
     if (
         (out / "model" / "config.json").is_file()
@@ -168,9 +210,9 @@ def build(
         and json.loads(made_with.read_text()) == settings
     ):
         return out  # built already, with these settings and this task
-    print(f"building the tiny preset's model and data in {shown_path(out)} ...", flush=True)
+    print(f"building the {preset} preset's model and data in {shown_path(out)} ...", flush=True)
     out.mkdir(parents=True, exist_ok=True)
-    data = arithmetic_dataset(seed, examples, max_operand)
+    data = arithmetic_dataset(seed, examples, max_operand, task["operands"])
     with (out / "arithmetic.jsonl").open("w") as f:
         for row in data:
             f.write(json.dumps(row) + "\n")
@@ -185,9 +227,10 @@ def build(
 
 
 def build_if_missing(model: str) -> None:
-    """The tiny preset's model and data, built on its first use in this clone."""
-    if Path(model) == TINY_BASE / "model" and not Path(model).exists():
-        build()
+    """A tiny preset's model and data, built on its first use in this clone."""
+    for preset, task in TASKS.items():
+        if Path(model) == task["base"] / "model" and not Path(model).exists():
+            build(preset=preset)
 
 
 if __name__ == "__main__":
@@ -195,5 +238,5 @@ if __name__ == "__main__":
     out = build(**dataclasses.asdict(tcfg))
     print(
         f"ready: {out / 'model'} and {out / 'arithmetic.jsonl'}; train it with "
-        f"python cwgrpo.py --method cw --preset tiny"
+        f"python cwgrpo.py --method cw --preset {tcfg.preset}"
     )

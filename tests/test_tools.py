@@ -255,6 +255,16 @@ def test_ablate_checks_every_runs_options_before_the_first_run(tmp_path, capsys)
     assert not out.exists()
 
 
+def test_ablate_takes_every_method_and_the_cw_readings_in_one_command():
+    runs = ablate.parse_methods("all,cw-readings")
+    assert list(runs)[: len(cwgrpo.METHODS)] == list(cwgrpo.METHODS)  # grpo and cw once
+    assert list(runs)[len(cwgrpo.METHODS) :] == ["cw-detached", "cw-paper", "cw-gradient-only"]
+    assert runs["cw-paper"] == ["--method", "cw", "--cw-reading", "paper"]
+    with pytest.raises(SystemExit) as error:
+        ablate.parse_methods("cw,cw=cw --cw-detach")
+    assert str(error.value) == "error: cw is defined twice; give each variant a label of its own"
+
+
 def test_ablate_never_reuses_a_run_made_with_other_options(tmp_path, tiny_base, capsys):
     base = ["--methods", "grpo", "--seeds", "1", "--no-plot", "--output-dir", str(tmp_path)]
     run_args = [

@@ -2,6 +2,7 @@
 
     python -m tools.ablate                                  # every method, seeds 0-4, tiny preset
     python -m tools.ablate --methods cw-readings            # GRPO and the readings of CW-GRPO
+    python -m tools.ablate --preset tiny-chain --methods all,cw-readings   # both, on the chain task
     python -m tools.ablate --methods grpo,cw -- --steps 300 # options after -- go to every run
 
 Each run is `python cwgrpo.py` in its own process and folder (<label>-seed<seed>/), as many at a
@@ -66,17 +67,23 @@ class AblationConfig:
 
 
 def parse_methods(spec: str) -> dict[str, list[str]]:
-    """label -> the cwgrpo.py options that make it."""
-    spec = {"all": ",".join(cwgrpo.METHODS), "cw-readings": CW_READINGS}.get(spec, spec)
+    """label -> the cwgrpo.py options that make it; "all" and "cw-readings" stand for their lists
+    (together, "all,cw-readings", GRPO and CW-GRPO run once)."""
+    groups = {"all": ",".join(cwgrpo.METHODS), "cw-readings": CW_READINGS}
+    entries = ",".join(groups.get(entry.strip(), entry) for entry in spec.split(","))
     runs = {}
-    for entry in filter(None, (e.strip() for e in spec.split(","))):
+    for entry in filter(None, (e.strip() for e in entries.split(","))):
         label, _, definition = entry.partition("=")
         method, *options = shlex.split(definition or label)
         if method not in cwgrpo.METHODS:
             raise SystemExit(
                 f"error: unknown method {method}; choose from {', '.join(cwgrpo.METHODS)}"
             )
-        runs[label.strip()] = ["--method", method, *options]
+        label, options = label.strip(), ["--method", method, *options]
+        if runs.setdefault(label, options) != options:
+            raise SystemExit(
+                f"error: {label} is defined twice; give each variant a label of its own"
+            )
     return runs
 
 
