@@ -75,10 +75,7 @@ def test_greedy_vllm_equals_greedy_hf_also_after_a_real_step_and_the_push(long_m
     assert not torch.equal(after_hf.completion_ids, hf.completion_ids)  # the step changed them
     assert_same_completions(after_hf, after_ours)
     # greedy tokens can survive stale keys of a cached prompt block; log-probs cannot
-    torch.manual_seed(0)
-    how = cwgrpo.Sampling(2, 1.0, 1.0, 0, 24)
-    sampled = cwgrpo.generate_completions(model, tokenizer, prompts, how, engine=engine)
-    assert_logprobs_are_the_trainers(model, sampled)
+    assert_sampled_logprobs_are_the_trainers(engine, model, tokenizer, prompts)
 
 
 def test_with_lora_the_engine_samples_base_plus_adapter_merged(long_model):
@@ -95,10 +92,7 @@ def test_with_lora_the_engine_samples_base_plus_adapter_merged(long_model):
     assert_same_completions(hf, ours)
     # the trainer's greedy after the step is not the base's (`before`, B = 0), so a push of the
     # base alone would fail the line above; log-probs tell apart what greedy tokens may not
-    torch.manual_seed(0)
-    how = cwgrpo.Sampling(2, 1.0, 1.0, 0, 24)
-    sampled = cwgrpo.generate_completions(model, tokenizer, prompts, how, engine=engine)
-    assert_logprobs_are_the_trainers(model, sampled)
+    assert_sampled_logprobs_are_the_trainers(engine, model, tokenizer, prompts)
 
 
 def one_step(model, rollout) -> None:
@@ -109,6 +103,14 @@ def one_step(model, rollout) -> None:
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
     model.eval()
+
+
+def assert_sampled_logprobs_are_the_trainers(engine, model, tokenizer, prompts) -> None:
+    """Two completions a prompt sampled by the engine (T = 1, 24 new tokens), scored by both."""
+    torch.manual_seed(0)
+    how = cwgrpo.Sampling(2, 1.0, 1.0, 0, 24)
+    sampled = cwgrpo.generate_completions(model, tokenizer, prompts, how, engine=engine)
+    assert_logprobs_are_the_trainers(model, sampled)
 
 
 def assert_logprobs_are_the_trainers(model, out):
