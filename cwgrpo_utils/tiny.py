@@ -5,14 +5,17 @@
     python -m cwgrpo_utils.tiny --preset tiny-chain   # the task of several decisions
 
 A Qwen2 of 115k parameters with Qwen2's byte-level tokenizer (256 byte tokens and the ChatML
-specials), given a few seconds of supervised warm-start on a synthetic task: sums of single digits
-whose gold is written in \\boxed{} like a MATH solution, so cwgrpo's math-verify reward grades it.
+specials), given seconds (tiny) to a minute (tiny-chain) of supervised warm-start on a synthetic
+task: sums of single digits whose gold is written in \\boxed{} like a MATH solution, so cwgrpo's
+math-verify reward grades it.
 A completion adds the digits one at a time, a line a step ("2+1=3\\n3+3=6\\n"), then boxes the last
-result. The warm-start teaches the format and three candidate results at each step, one right
-(the carried value plus the digit) and two off by one; RL then has to learn which one is right.
-- tiny: a+b, one decision, the answer's: the quick demo.
-- tiny-chain: a+b+c+d, three dependent decisions; a wrong step carries into the next ones (two
-  errors can cancel), so the model starts right about a quarter of the time.
+result. The warm-start teaches the format and three candidate results at each step, one of them
+right (the carried value plus the digit); RL then has to learn which one is right.
+- tiny: a+b, one decision, the answer's: the right sum or one off either way, a third each (the
+  quick demo).
+- tiny-chain: a+b+c+d, three dependent decisions, each right two times in three, else one or two
+  above; a wrong step carries into the answer and no later one cancels it, so the model starts
+  right about 30% of the time.
 """
 
 import dataclasses
