@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 from typing import Literal
 
-from cwgrpo_utils import REPOSITORY, TINY_BASE, TINY_CHAIN_BASE, cli, trackers
+from cwgrpo_utils import BASES, REPOSITORY, SMOLLM2, cli, trackers
 from cwgrpo_utils.cli import arg
 
 # 1. Config --------------------------------------------------------------------------------------
@@ -38,15 +38,18 @@ PRESETS = {
 TINY = dict(system_prompt="", group_size=8, prompts_per_step=8, groups_per_micro_batch=0, seed=0)
 TINY |= dict(max_prompt_length=64, length_limit="new", temperature=1.0, learning_rate=7e-4)
 TINY |= dict(warmup_ratio=0.05, steps=200, save_every=50, gradient_checkpointing=False)
-for preset, base, length in (("tiny", TINY_BASE, 40), ("tiny-chain", TINY_CHAIN_BASE, 64)):
-    PRESETS[preset] = TINY | dict(model=f"{base}/model", dataset=f"{base}/arithmetic.jsonl")
-    PRESETS[preset] |= dict(max_completion_length=length)
+for preset, length in (("tiny", 40), ("tiny-chain", 64)):
+    PRESETS[preset] = TINY | dict(model=f"{BASES[preset]}/model", max_completion_length=length)
+    PRESETS[preset] |= dict(dataset=f"{BASES[preset]}/arithmetic.jsonl")
+# A real LM on the CPU (cwgrpo_utils/smollm2.py): it writes no think tags, so only accuracy counts
+SUMS = dict(model=SMOLLM2, dataset=f"{BASES['smollm2-sums']}/sums.jsonl", format_weight=0.0)
+SUMS |= dict(prompts_per_step=2, max_prompt_length=128, max_completion_length=48, steps=12)
+PRESETS["smollm2-sums"] = TINY | SUMS | dict(temperature=0.7, learning_rate=2e-5, save_every=10)
 # LoRA on every linear layer at 10x full fine-tuning's learning rate ("LoRA Without Regret")
 LORA = dict(lora_rank=32, learning_rate=1e-5)
 # The paper's model and recipe on one 24 GB card: LoRA, 3,072 positions, 4 prompts sampled at once
 PRESETS["paper-1.5b-lora-24gb"] = LORA | dict(max_completion_length=3072, rollout_chunk=4)
 PRESETS["paper-7b-lora-80gb"] = PRESETS["paper-7b"] | LORA  # Qwen2.5-Math-7B on one 80 GB card
-GPU_PRESETS = tuple(name for name in PRESETS if not name.startswith("tiny"))
 # The options each method of section 7 reads; its keys are the --method choices
 METHOD_OPTIONS = {"grpo": (), "cw": ("cw_norm", "cw_detach", "cw_reading")}
 METHOD_OPTIONS |= {"clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub")}
@@ -74,7 +77,7 @@ class Config:
     dataset_split: str = arg("train", "split of a hub dataset")
     question_column: str = arg("problem", "column of the question")
     gold_column: str = arg("solution", "column of the reference solution (parsed by math-verify)")
-    system_prompt: str = arg(OPEN_RS_SYSTEM_PROMPT, "system message; empty for none")
+    system_prompt: str = arg(OPEN_RS_SYSTEM_PROMPT, "system message; empty: none of ours")
     group_size: int = arg(12, "G, completions sampled per prompt", ">= 2")
     prompts_per_step: int = arg(12, "prompts per rollout batch", "> 0")
     groups_per_micro_batch: int = arg(1, "whole groups per forward/backward; 0: all", ">= 0")
@@ -193,7 +196,7 @@ import transformers
 from latex2sympy2_extended import NormalizationConfig
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-from cwgrpo_utils import checkpoints, loading, lora, memory_plan, plots, tiny, token_page
+from cwgrpo_utils import checkpoints, loading, lora, memory_plan, plots, presets, tiny, token_page
 from cwgrpo_utils.grading_pool import CachedTimeoutPool, LogCounter
 from cwgrpo_utils.lm_head import chunked_logprobs, ict_divergence
 from cwgrpo_utils.run_folder import Progress, RunFolder, never_fatal, update_metrics
@@ -214,6 +217,7 @@ class PromptStream:
     --max-prompt-length skipped; its position (prompts served) is all a checkpoint needs."""
 
     def __init__(self, dataset, tokenizer, cfg: Config):
+        loading.note_template_system_prompt(tokenizer, cfg.system_prompt)  # SmolLM2's: its own
         rows = zip(dataset[cfg.question_column], dataset[cfg.gold_column])
         pairs = [(chat_prompt_ids(tokenizer, str(q), cfg.system_prompt), str(g)) for q, g in rows]
         self.items = [(ids, gold) for ids, gold in pairs if len(ids) <= cfg.max_prompt_length]
@@ -663,8 +667,7 @@ def sorted_quantile(sorted_values: torch.Tensor, q: float) -> torch.Tensor:
     if len(sorted_values) == 0:  # a batch with no valid token: no token passes any threshold
         return torch.tensor(torch.inf)
     position = q * (len(sorted_values) - 1)
-    low = int(position)
-    high = min(low + 1, len(sorted_values) - 1)
+    low, high = int(position), min(int(position) + 1, len(sorted_values) - 1)
     return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
 
 
@@ -774,10 +777,9 @@ def micro_batch_loss(model, rollout: Rollout, cfg, n_responses, n_tokens, update
     old_logp = rollout.old_logp if rollout.old_logp is not None else logp.detach()
     entropy = rollout.entropy if rollout.entropy is not None else entropy
     terms = micro_batch_terms(logp, old_logp, entropy, rollout, cfg, update_pass)
-    mask, clip = rollout.completion_mask, METHODS[cfg.method].clip
+    mask, adv, clip = rollout.completion_mask, rollout.advantages, METHODS[cfg.method].clip
     r = sampler_correction(old_logp, rollout.sampler_logp, mask, cfg)
-    adv, ref_logp = rollout.advantages, rollout.ref_logp
-    per_token = token_loss(logp, old_logp, ref_logp, adv, terms, cfg, clip, r)
+    per_token = token_loss(logp, old_logp, rollout.ref_logp, adv, terms, cfg, clip, r)
     loss = aggregate(per_token, mask, cfg.loss_aggregation, n_responses, n_tokens)
     return loss, (logp.detach(), old_logp, entropy, terms)
 
@@ -912,16 +914,15 @@ def train(cfg: Config, on_rollout: Callable | None = None) -> Path:
     """Everything a run needs, then the training loop. on_rollout(step, model, rollout, autocast),
     if given, sees each scored rollout batch before the update (tools/diagnose.py uses it)."""
     start = time.perf_counter()
-    device = loading.resolve_device(cfg.device, cfg.preset if cfg.preset in GPU_PRESETS else "")
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    device = loading.resolve_device(cfg.device, "" if cfg.preset in BASES else cfg.preset)
+    torch.set_num_threads(cfg.threads or torch.get_num_threads())
     print(plots.run_header(cfg), flush=True)
     plots.pyplot()  # fail now, not at the first checkpoint, if matplotlib is missing
     options, plan_options = dataclasses.asdict(cfg), memory_plan.PlanOptions.of(cfg)
     starting = (cfg.resume, cfg.overwrite_output_dir, RESUME_MAY_CHANGE, cfg.report_to)
     # locked against a second run, Ctrl-C a stop after the step, a resume's checkpoint checked
     with RunFolder(cfg.output_dir, options, *starting) as run:
-        tiny.build_if_missing(cfg.model)
+        cfg = dataclasses.replace(cfg, model=presets.ready(cfg.model, cfg.dataset))  # built here?
         if device.type == "cuda":  # before anything loads: a run that cannot fit stops here
             memory_plan.check_fit(cfg.model, plan_options, *torch.cuda.mem_get_info())
         loading.check_model_path(cfg.model)
@@ -937,18 +938,17 @@ def train(cfg: Config, on_rollout: Callable | None = None) -> Path:
             tokenizer = loading.load_tokenizer(weights)
             prompts = PromptStream(dataset, tokenizer, cfg)
             lora_options = (cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules, cfg.seed)
-            model = loading.load_policy(cfg.model, run.resume_from, device, *lora_options)
+            policy = (cfg.model, run.resume_from, device, *lora_options)
+            model = loading.load_policy(*policy, checkpointing=cfg.gradient_checkpointing)
             frozen_copy = cfg.beta > 0 and not cfg.lora_rank  # LoRA's reference: the base itself
             reference = loading.load_reference(cfg.model, device) if frozen_copy else None
-            if cfg.gradient_checkpointing:
-                loading.enable_checkpointing(model)
             vllm = (plan_options, device, cfg.vllm_gpu_memory_utilization, cfg.seed)
             engine = Engine.for_run(cfg.model, *vllm) if cfg.rollout == "vllm" else None
             loop = (model, reference, tokenizer, prompts, grader, engine, run, on_rollout)
             training_loop(cfg, *loop)
     final_model = ("--model", str(run.path / "final-model"), *tiny.evaluate_options(cfg.preset))
     evaluate = cli.command(str(REPOSITORY / "evaluate.py"), *final_model)
-    print(plots.run_summary(run.path, time.perf_counter() - start, cfg.temperature, evaluate))
+    print(plots.run_summary(run.path, time.perf_counter() - start, evaluate))
     return run.path
 
 

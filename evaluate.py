@@ -38,6 +38,7 @@ class EvalConfig:
         "latex", "how the gold of local files is parsed: expr (numbers), latex or default (both)"
     )
     prompt_template: str = arg(EVAL_PROMPT, "user message, {question} where the problem goes")
+    system_prompt: str = arg("", "system message; empty: none of ours (as the paper's evaluation)")
     protocol: Literal["robust", "paper"] = arg(
         "robust", "paper: 1 sample per problem, a fixed seed; robust: --n samples, avg@n"
     )
@@ -88,7 +89,7 @@ import transformers
 from tqdm import tqdm
 
 import cwgrpo
-from cwgrpo_utils import loading, plots
+from cwgrpo_utils import loading, plots, presets
 from cwgrpo_utils.checkpoints import checkpoint_step
 from cwgrpo_utils.vllm_engine import Engine
 
@@ -164,9 +165,12 @@ def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path) -> dict:
         load_benchmark(name.strip(), cfg) for name in cfg.benchmarks.split(",") if name.strip()
     ]
     tokenizer = loading.load_tokenizer(model_path)
+    loading.note_template_system_prompt(tokenizer, cfg.system_prompt)
     prompts_of = [
         [
-            cwgrpo.chat_prompt_ids(tokenizer, cfg.prompt_template.replace("{question}", q), "")
+            cwgrpo.chat_prompt_ids(
+                tokenizer, cfg.prompt_template.replace("{question}", q), cfg.system_prompt
+            )
             for q, _ in problems
         ]
         for _, _, problems in benchmarks
@@ -183,6 +187,7 @@ def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path) -> dict:
             "weights": weights_fingerprint(model_path),
             "benchmark": bench._asdict(),
             "prompt_template": cfg.prompt_template,
+            "system_prompt": cfg.system_prompt,
             "protocol": cfg.protocol,
             "n": n,
             "temperature": cfg.temperature,
@@ -413,8 +418,9 @@ def main(cfg: EvalConfig) -> None:
         evaluate_checkpoints(cfg, output_dir)
         print(f"done: {output_dir / 'checkpoints.md'}")
         return
-    loading.check_model_path(cfg.model)  # before the output folder exists
-    results = evaluate_model(cfg.model, cfg, output_dir)
+    model = presets.ready(cfg.model)  # a CPU preset's model, built here on first use
+    loading.check_model_path(model)  # before the output folder exists
+    results = evaluate_model(model, cfg, output_dir)
     write_results(output_dir, cfg.model, cfg, results)
     print((output_dir / "results.md").read_text())
     print(f"written: {output_dir / 'results.json'} and {output_dir / 'results.md'}")

@@ -11,14 +11,14 @@ Each module knows nothing of cwgrpo and never imports it (as cleanRL keeps clean
 - memory_plan: the GPU memory and disk a run needs, before anything loads
 - plots, token_page: what a run shows a person
 - tiny: the tiny presets' models and tasks, built on first use
+- smollm2: the real-model preset's task, and its model built from a GGUF where the hub is off
 - vllm_engine: the optional vLLM sampler
 """
 
 from pathlib import Path
 
 REPOSITORY = Path(__file__).resolve().parent.parent  # the clone's root, whatever the working folder
-# the tiny presets' models and data, one per clone
-TINY_BASE, TINY_CHAIN_BASE = (
-    REPOSITORY / "runs" / "tiny-base",
-    REPOSITORY / "runs" / "tiny-chain-base",
-)
+# Each CPU preset's folder, one per clone: its task, and its model where one is built here
+CPU_PRESETS = ("tiny", "tiny-chain", "smollm2-sums")
+BASES = {name: REPOSITORY / "runs" / f"{name}-base" for name in CPU_PRESETS}
+SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"  # smollm2-sums's model, on the hub

@@ -24,7 +24,7 @@ from transformers import (
     GenerationConfig,
 )
 
-from cwgrpo_utils import lora
+from cwgrpo_utils import cli, lora
 
 OFFLINE_HINT = "the hub cannot be reached from here, so only what is cached loads"
 
@@ -158,17 +158,24 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device):
     return model.to(device)
 
 
-def load_policy(model_path: str, checkpoint, device, lora_rank, alpha, targets, seed: int = 0):
+def load_policy(
+    model_path: str, checkpoint, device, lora_rank, alpha, targets, seed=0, checkpointing=False
+):
     """The model trained: fp32 master weights, the checkpoint's when resuming; with LoRA (rank >
     0) the frozen base, bf16 on CUDA, under an fp32 adapter, the checkpoint's or a fresh one drawn
-    from `seed`."""
+    from `seed`. With checkpointing, its activations are recomputed in backward."""
     if not lora_rank:
-        return load_model(str(checkpoint or model_path), torch.float32, device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    base = load_model(model_path, dtype, device).requires_grad_(False)
-    if checkpoint is not None:
-        return lora.load_adapter(base, checkpoint)
-    return lora.adapted(base, lora_rank, alpha, targets, seed)
+        model = load_model(str(checkpoint or model_path), torch.float32, device)
+    else:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        base = load_model(model_path, dtype, device).requires_grad_(False)
+        if checkpoint is None:
+            model = lora.adapted(base, lora_rank, alpha, targets, seed)
+        else:
+            model = lora.load_adapter(base, checkpoint)
+    if checkpointing:
+        enable_checkpointing(model)
+    return model
 
 
 def load_reference(path: str, device: torch.device):
@@ -188,6 +195,25 @@ def load_tokenizer(path: str):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def note_template_system_prompt(tokenizer, system_prompt: str) -> None:
+    """With no system prompt of ours, say once what the chat template puts there itself (SmolLM2's
+    and Qwen2.5's write a default one; ChatML's, nothing): the prompt the model sees."""
+    user = [{"role": "user", "content": "\x00"}]
+    render = functools.partial(tokenizer.apply_chat_template, tokenize=False)
+    bare, around = (
+        render(user),
+        render([{"role": "system", "content": "\x01"}] + user).split("\x01"),
+    )
+    own = len(around) == 2 and bare.startswith(around[0]) and bare.endswith(around[1])
+    default = bare[len(around[0]) : len(bare) - len(around[1])] if own else ""
+    if not system_prompt and default:
+        cli.warn_once(
+            f"template system prompt {default}",
+            f'note: no --system-prompt given, so the chat template writes its own: "{default}"; '
+            f"pass --system-prompt to replace it",
+        )
 
 
 def check_model_path(model: str) -> None:

@@ -31,7 +31,7 @@ GB = 1e9
 
 @dataclass
 class Architecture:
-    """The numbers of a decoder-only (Qwen2-style) transformer that the plan reads."""
+    """The numbers of a decoder-only (Qwen2- or Llama-style) transformer that the plan reads."""
 
     vocab: int
     hidden: int
@@ -41,11 +41,15 @@ class Architecture:
     kv_heads: int
     head_dim: int
     tied: bool
+    qkv_bias: bool = True  # Qwen2's q/k/v projections have biases; Llama's only with attention_bias
+    o_bias: bool = False  # Llama's attention_bias covers o_proj too
+    mlp_bias: bool = False
 
     @classmethod
     def from_config(cls, config: dict) -> "Architecture":
         heads = config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        llama_bias = config.get("attention_bias", False)
         return cls(
             config["vocab_size"],
             config["hidden_size"],
@@ -55,6 +59,9 @@ class Architecture:
             config.get("num_key_value_heads", heads),
             head_dim,
             bool(config.get("tie_word_embeddings", False)),
+            config.get("model_type") == "qwen2" or llama_bias,
+            config.get("model_type") != "qwen2" and llama_bias,
+            config.get("mlp_bias", False),
         )
 
     @property
@@ -62,11 +69,15 @@ class Architecture:
         return self.kv_heads * self.head_dim
 
     def parameters(self) -> int:
-        """Exact: embeddings, per layer q/k/v (with biases) and o, the gated MLP and two norms, the
-        final norm, and the LM head unless tied to the embeddings."""
-        h, q = self.hidden, self.heads * self.head_dim
-        attention = (h * q + q) + 2 * (h * self.kv_width + self.kv_width) + q * h
-        layer = attention + 3 * h * self.intermediate + 2 * h
+        """Exact: embeddings, per layer q/k/v and o, the gated MLP and two norms, each linear
+        layer's bias where the config has one, the final norm, and the LM head unless tied."""
+        shapes = self.projections().items()
+        weights = sum(n_in * n_out for _, (n_in, n_out) in shapes)
+        biased = dict.fromkeys(("q_proj", "k_proj", "v_proj"), self.qkv_bias) | {
+            "o_proj": self.o_bias
+        }
+        biases = sum(n_out for name, (_, n_out) in shapes if biased.get(name, self.mlp_bias))
+        layer, h = weights + biases + 2 * self.hidden, self.hidden
         return self.vocab * h * (1 if self.tied else 2) + self.layers * layer + h
 
     def projections(self) -> dict[str, tuple[int, int]]:

@@ -2,6 +2,7 @@
 figures, and the intervals they draw. matplotlib is loaded only when something is drawn, so
 `import cwgrpo` loads no plotting library."""
 
+import json
 import math
 import statistics
 from pathlib import Path
@@ -180,16 +181,20 @@ def warn_of_grading_problems(metrics: dict) -> None:
             warn_once(key, f"warning: {metrics[key]} {problem} (scored 0); counted in '{key}'")
 
 
-def run_summary(output_dir: Path, wall_s: float, temperature: float, evaluate_command: str) -> str:
-    """What a run did, in a few lines: first -> last 10% of each curve, its wall time, and where
-    its checkpoints, final model and pictures are."""
+def run_summary(output_dir: Path, wall_s: float, evaluate_command: str) -> str:
+    """What a run did, in a few lines: first -> last 10% of each curve (the format's only where the
+    reward counts it), its wall time, and where its checkpoints, final model and pictures are."""
     records = read_records(output_dir / "metrics.jsonl")
+    options = json.loads((output_dir / "run_config.json").read_text())
     out = [
         f"done in {wall_s:.0f} s; first -> last 10% of {len(records)} steps "
-        f"(completions sampled at temperature {temperature:g}):"
+        f"(completions sampled at temperature {options['temperature']:g}):"
     ]
     for key in SUMMARY_KEYS:
         first, last = first_to_last(records, key)
+        if key == "format_mean" and not options["format_weight"]:
+            out.append("  format    not rewarded (--format-weight 0)")
+            continue
         out.append(f"  {key.removesuffix('_mean'):9s} {first:8.3f} -> {last:.3f}")
     batches = {r["rollout_step"]: r for r in records}.values()  # a batch's grades, counted once
     problems = {what: sum(r.get(key, 0) for r in batches) for key, what in GRADING_PROBLEMS.items()}

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import cwgrpo
 from cwgrpo_utils import checkpoints, loading, memory_plan
@@ -60,6 +60,7 @@ def tensor_bytes(tensors) -> int:
         ("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", 1_777_088_000),
         ("Qwen/Qwen2.5-Math-7B-Instruct", 7_615_616_512),
         ("Qwen/Qwen2.5-0.5B-Instruct", 494_032_768),
+        ("HuggingFaceTB/SmolLM2-135M-Instruct", 134_515_008),  # Llama: no q/k/v biases
     ],
 )
 def test_parameter_counts_from_config_equal_the_published_ones(name, count):
@@ -70,6 +71,14 @@ def test_parameter_counts_from_config_equal_the_published_ones(name, count):
 def test_parameter_count_equals_the_built_model(plan_model):
     model, folder = plan_model
     arch = memory_plan.Architecture.from_config(memory_plan.read_config(str(folder)))
+    assert arch.parameters() == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("biases", [dict(), dict(attention_bias=True, mlp_bias=True)])
+def test_parameter_count_equals_a_built_llama_with_and_without_biases(tmp_path, biases):
+    LlamaForCausalLM(LlamaConfig(**SMALL_SHAPE, **biases)).save_pretrained(tmp_path)
+    model = LlamaForCausalLM.from_pretrained(tmp_path)
+    arch = memory_plan.Architecture.from_config(memory_plan.read_config(str(tmp_path)))
     assert arch.parameters() == sum(p.numel() for p in model.parameters())
 
 

@@ -229,13 +229,25 @@ def test_diagnose_command_and_training_diagnostics(tiny_run, tiny_base, tmp_path
                                             f"{out / 'diagnostics.json'}\n")  # fmt: skip
     assert json.loads((out / "diagnostics.json").read_text())["tokens"] > 0
     # --diagnose-every appends figures without changing the training itself
-    run = tmp_path / "run"
+    run = tmp_path / "cw-seed0"
     diagnose.train([*TINY_RUN, "--output-dir", str(run), "--every", "2"])
     assert [
         json.loads(line)["rollout_step"]
         for line in (run / "diagnostics.jsonl").read_text().splitlines()
-    ] == [2, 4]
+    ] == [1, 2, 4]  # the first batch too, for first -> last
     assert read_metrics(run / "metrics.jsonl") == read_metrics(tiny_run / "metrics.jsonl")
+    for report in map(json.loads, (run / "diagnostics.jsonl").read_text().splitlines()):
+        shares = [q["beta=0.04"]["grad_share"] for q in report["quartiles"]]
+        assert sum(shares) == pytest.approx(1, abs=1e-4)  # the quartiles' gradients add up
+        mass = [report["concentration"]["mass_share"][str(c)] for c in diagnose.MASS_CUTOFFS]
+        assert 0 < mass[0] <= mass[1] <= mass[2] <= 1
+    # the summary over seeds: a second seed's run, one row for both
+    seed1 = tmp_path / "cw-seed1"
+    diagnose.train([*TINY_RUN, "--output-dir", str(seed1), "--every", "2", "--seed", "1"])
+    table = diagnose.summary(["--runs", str(run), str(seed1), "--output", str(tmp_path / "s.md")])
+    row = next(line for line in table.splitlines() if line.startswith("| cw | 2 |"))
+    assert row.count(" → ") == 9 and row.count(" ± ") == 11
+    assert (tmp_path / "s.md").read_text() == table
 
 
 def test_ablate_checks_every_runs_options_before_the_first_run(tmp_path, capsys):

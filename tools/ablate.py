@@ -30,7 +30,7 @@ from typing import Literal
 from tqdm import tqdm
 
 import cwgrpo
-from cwgrpo_utils import plots, tiny
+from cwgrpo_utils import plots, presets
 from cwgrpo_utils.cli import arg, parse_dataclasses
 from cwgrpo_utils.run_folder import option_differences, read_records
 
@@ -205,7 +205,8 @@ def ablate(argv: list) -> Path:
         for seed in range(acfg.seeds)
     ]
     configs = run_configs(runs, methods, acfg, run_args)
-    tiny.build_if_missing(configs[runs[0][2]].model)
+    first = configs[runs[0][2]]  # the preset's model and task, built once before the runs start
+    presets.ready(first.model, first.dataset)
     output_dir.mkdir(parents=True, exist_ok=True)
     changed = changed_runs(configs)
     if changed and not acfg.rerun_changed:

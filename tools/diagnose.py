@@ -5,17 +5,23 @@ sampling and loss (docs/math.md, "Diagnostics").
         --reference-model runs/tiny-base/model      # one rollout batch: diagnostics.{md,json}
     python -m tools.diagnose train --every 15 --method cw --preset tiny  # measuring as it trains
     python -m tools.diagnose plot --runs runs/cw-tiny-seed0 runs/grpo-tiny-seed0 --output d.png
+    python -m tools.diagnose summary --runs runs/diagnose/*   # per method, intervals over seeds
 
 - Covariance concentration (CW-GRPO): the mean covariance score of the top 0.01% ... 100% of the
-  positive scores, and of the negative ones.
+  positive scores, and of the negative ones; the share of all |score| mass the top 0.01% ... 100%
+  of tokens by |score| hold.
 - Probability-quartile accounting (Yang et al.'s claim, as their reviewers asked): per quartile of
   token probability, |w| of the token weight, the analytic logit-gradient norm, and the norm of
-  the parameter gradient of the step's loss with only that quartile's tokens active.
+  the parameter gradient of the step's loss with only that quartile's tokens active, and its share
+  of the full gradient (its projection on it: the four shares sum to 1).
+- summary: per method, over seeds, these through training beside the run's entropy and the tokens
+  its method turned down (w < 0.5) or silenced (out of the policy-gradient term).
 """
 
 import dataclasses
 import json
 import math
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,12 +31,13 @@ import torch.nn.functional as F
 import transformers
 
 import cwgrpo
-from cwgrpo_utils import checkpoints, loading, plots
+from cwgrpo_utils import BASES, checkpoints, loading, plots
 from cwgrpo_utils.cli import arg, parse_dataclasses
 from cwgrpo_utils.lm_head import squared_probability_mass
 from cwgrpo_utils.memory_plan import PlanOptions
-from cwgrpo_utils.run_folder import append_record, keep_records_until
+from cwgrpo_utils.run_folder import append_record, keep_records_until, read_records
 from cwgrpo_utils.vllm_engine import Engine
+from tools import ablate
 
 CONCENTRATION_CUTOFFS = (0.0001, 0.001, 0.01, 0.1, 1.0)  # top 0.01% ... 100% of one side
 PAPER_CONCENTRATION = {0.0001: (11.5, -13.6), 1.0: (0.06, -0.04)}  # CW-GRPO, R1-Distill-1.5B
@@ -56,6 +63,14 @@ class TrainConfig:
 
 
 @dataclass
+class SummaryConfig:
+    runs: list[str] = dataclasses.field(
+        metadata={"help": "folders of diagnose train runs, named <label>-seed<seed>"}
+    )
+    output: str = arg("", "also write the table to this markdown file")
+
+
+@dataclass
 class PlotConfig:
     runs: list[str] = dataclasses.field(metadata={"help": "run folders with diagnostics.jsonl"})
     output: str = arg("diagnostics.png", "the figure to write")
@@ -73,6 +88,12 @@ def concentration(scores: torch.Tensor) -> dict:
             else 0.0
             for cut in CONCENTRATION_CUTOFFS
         }
+    magnitudes = scores.abs().sort(descending=True).values
+    total = magnitudes.sum().clamp(min=1e-30)
+    out["mass_share"] = {
+        cut: (magnitudes[: max(1, math.ceil(cut * len(magnitudes)))].sum() / total).item()
+        for cut in CONCENTRATION_CUTOFFS
+    }
     return out
 
 
@@ -194,6 +215,10 @@ def measure_rollout(model, rollout: cwgrpo.Rollout, cfg: cwgrpo.Config, autocast
                 "logit_grad_norm_mean": (weight[q].abs() * logit_grad_unit[q]).mean().item(),
                 "param_grad_norm": gradients["norm"][i],
                 "cosine_with_full": gradients["cosine_with_full"][i],
+                # its projection on the full gradient: the quartiles' shares sum to 1
+                "grad_share": gradients["norm"][i]
+                * gradients["cosine_with_full"][i]
+                / max(gradients["full_norm"], 1e-30),
             }
     return report
 
@@ -292,9 +317,7 @@ def batch(argv: list) -> Path | None:
         return cwgrpo.main(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    device = loading.resolve_device(
-        cfg.device, cfg.preset if cfg.preset in cwgrpo.GPU_PRESETS else ""
-    )
+    device = loading.resolve_device(cfg.device, "" if cfg.preset in BASES else cfg.preset)
     for path in filter(None, (cfg.model, bcfg.reference_model)):
         loading.check_model_path(path)
     transformers.utils.logging.disable_progress_bar()
@@ -347,7 +370,7 @@ def train(argv: list) -> None:
     path = Path(cfg.output_dir) / "diagnostics.jsonl"
 
     def on_rollout(step, model, rollout, autocast):
-        if step % tcfg.every == 0:
+        if step == 1 or step % tcfg.every == 0:  # the first batch too: first -> last
             report = diagnose_rollout(model, rollout, cfg, autocast)
             append_record(path, {"rollout_step": step, **report})
 
@@ -369,7 +392,7 @@ def plot(argv: list) -> Path:
         if not (run / "diagnostics.jsonl").is_file():
             raise SystemExit(
                 f"error: {run} has no diagnostics.jsonl; train it with "
-                f"python diagnose.py train --every N ..."
+                f"python -m tools.diagnose train --every N ..."
             )
         metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         found = [json.loads(line) for line in (run / "diagnostics.jsonl").read_text().splitlines()]
@@ -385,7 +408,82 @@ def plot(argv: list) -> Path:
     return Path(pcfg.output)
 
 
-COMMANDS = {"batch": batch, "train": train, "plot": plot}
+def summary(argv: list) -> str:
+    """Per method, over seeds: |cov| mass, quartile gradient shares, entropy, tokens touched."""
+    (scfg,), _ = parse_dataclasses(SummaryConfig, argv, prog="python -m tools.diagnose summary")
+    labels = {}
+    for run in map(Path, scfg.runs):
+        if not (run / "diagnostics.jsonl").is_file():
+            raise SystemExit(f"error: {run} has no diagnostics.jsonl; train it with diagnose train")
+        labels.setdefault(run.name.rsplit("-seed", 1)[0], []).append(run_summary(run))
+    table = summary_table(labels, scfg.runs)
+    if scfg.output:
+        Path(scfg.output).write_text(table)
+    print(table)
+    return table
+
+
+def run_summary(run: Path) -> dict:
+    """One run's figures: each diagnosed batch's, first and last; metrics.jsonl's, first and last
+    10% of rollout steps (entropy, accuracy), or means over the run (tokens touched)."""
+    found = read_records(run / "diagnostics.jsonl")
+    records = [r for r in read_records(run / "metrics.jsonl") if r["update_pass"] == 0]
+    beta = f"beta={json.loads((run / 'run_config.json').read_text())['beta']:g}"
+    out = {}
+    for when, report in (("first", found[0]), ("last", found[-1])):
+        for cut in MASS_CUTOFFS:
+            out[f"{when} mass {cut}"] = report["concentration"]["mass_share"][str(cut)]
+        for i, quartile in enumerate(report["quartiles"]):
+            out[f"{when} Q{i + 1}"] = quartile[beta]["grad_share"]
+    for key in ("accuracy_mean", "entropy_mean"):
+        out[f"first {key}"], out[f"last {key}"] = plots.first_to_last(records, key)
+    out["turned down"] = statistics.fmean(r["w_frac_below_half"] for r in records)
+    out["silenced"] = statistics.fmean(1 - r["pg_active_frac"] for r in records)
+    out["steps"] = [found[0]["rollout_step"], found[-1]["rollout_step"]]
+    return out
+
+
+MASS_CUTOFFS = (0.0001, 0.001, 0.01)  # the top 0.01%, 0.1% and 1% of tokens by |covariance|
+
+
+def summary_table(labels: dict, runs: list) -> str:
+    def cells(runs: list, key: str, digits: int = 2) -> str:
+        if key.startswith("first"):  # first -> last
+            last = key.replace("first", "last", 1)
+            first = statistics.fmean(r[key] for r in runs)
+            return f"{first:.{digits}f} → {ablate.cell([r[last] for r in runs], digits)}"
+        return ablate.cell([r[key] for r in runs], digits)
+
+    steps = {tuple(r["steps"]) for rs in labels.values() for r in rs}
+    lines = [
+        f"`python -m tools.diagnose summary --runs {' '.join(runs)}`",
+        "",
+        "Mean ± half-width of the 95% Student-t interval over each method's seeds; a → b: the "
+        f"first diagnosed batch (rollout step {'/'.join(str(s[0]) for s in steps)}) against the "
+        f"last ({'/'.join(str(s[1]) for s in steps)}), for entropy and accuracy the first and "
+        "last 10% of rollout steps. |cov| mass: the share of the batch's summed |covariance "
+        "score| (cw step 3) held by its top X% of tokens. Qk gradient share: the projection on "
+        "the full gradient of the gradient with only the k-th probability quartile active (Q1: "
+        "least probable; the four sum to 1), at the run's beta. Turned down: tokens whose "
+        "weight w < 0.5; silenced: tokens out of the policy-gradient term; both per step, "
+        "averaged over the run.",
+        "",
+        "| method | seeds | accuracy | entropy | top 0.01% mass | top 0.1% | top 1% | "
+        "Q1 grad share | Q2 | Q3 | Q4 | turned down | silenced |",
+        "|---" * 13 + "|",
+    ]
+    for label, rs in labels.items():
+        quartiles = [cells(rs, f"first Q{i}") for i in range(1, 5)]
+        masses = [cells(rs, f"first mass {cut}") for cut in MASS_CUTOFFS]
+        lines.append(
+            f"| {label} | {len(rs)} | {cells(rs, 'first accuracy_mean')} | "
+            f"{cells(rs, 'first entropy_mean')} | {' | '.join(masses)} | {' | '.join(quartiles)} | "
+            f"{cells(rs, 'turned down', 3)} | {cells(rs, 'silenced', 3)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+COMMANDS = {"batch": batch, "train": train, "plot": plot, "summary": summary}
 
 if __name__ == "__main__":
     if sys.argv[1:2] and sys.argv[1] in COMMANDS:
