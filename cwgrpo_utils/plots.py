@@ -62,6 +62,17 @@ def interval(values: list[float]) -> tuple[float, float]:
     return mean, t * statistics.stdev(values) / math.sqrt(len(values))
 
 
+def cell(values: list[float], digits: int = 3) -> str:
+    """Mean ± the half-width of its 95% interval, as the tables print it."""
+    mean, half = interval(values)
+    return f"{mean:.{digits}f} ± {plus_minus(half, digits)}"
+
+
+def plus_minus(half: float, digits: int) -> str:
+    """An interval's half-width; n/a where one seed leaves it undefined."""
+    return "n/a" if math.isnan(half) else f"{half:.{digits}f}"
+
+
 # The values a curve can take: an interval for its mean is cut to them (a Student-t interval over
 # two seeds is wide, and accuracy below 0 or entropy below 0 is nothing a run can show)
 METRIC_RANGES = {"accuracy": (0.0, 1.0), "entropy": (0.0, math.inf)}

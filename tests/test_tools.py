@@ -22,7 +22,7 @@ def test_interval_by_hand():
     assert plots.interval([1.0, 2.0, 3.0]) == pytest.approx((2.0, 4.303 / math.sqrt(3)))
     mean, half = plots.interval([5.0])  # one seed: no interval
     assert mean == 5.0 and math.isnan(half)
-    assert ablate.cell([5.0]) == "5.000 ± n/a"
+    assert plots.cell([5.0]) == "5.000 ± n/a"
     assert ablate.difference([5.0], [4.0]) == "+1.000 ± n/a"  # and never bold
 
 
@@ -63,7 +63,7 @@ def test_ablate_table_holds_the_runs_figures_and_a_run_equals_its_standalone_twi
         if line.startswith("| ")
     }
     assert rows["cw-detached"][1] == "`--method cw --cw-detach`"
-    assert rows["grpo"][2].endswith(ablate.cell(final["grpo"])) and rows["grpo"][3] == "-"
+    assert rows["grpo"][2].endswith(plots.cell(final["grpo"])) and rows["grpo"][3] == "-"
     assert rows["cw-detached"][3].strip("*") == ablate.difference(
         final["cw-detached"], final["grpo"]
     ).strip("*")
@@ -248,6 +248,32 @@ def test_diagnose_command_and_training_diagnostics(tiny_run, tiny_base, tmp_path
     row = next(line for line in table.splitlines() if line.startswith("| cw | 2 |"))
     assert row.count(" → ") == 9 and row.count(" ± ") == 11
     assert (tmp_path / "s.md").read_text() == table
+
+
+def test_ablate_with_diagnostics_tabulates_them_per_method_and_trains_as_without(
+    tmp_path, tiny_args
+):
+    out, steps = tmp_path / "ablation", ["--steps", "3", "--save-every", "3"]
+    ablate.ablate(
+        ["--methods", "grpo", "--seeds", "2", "--diagnose-every", "2", "--no-plot"]
+        + ["--output-dir", str(out), "--publish", str(tmp_path / "pub"), "--", *tiny_args[2:]]
+        + steps
+    )
+    for seed in (0, 1):
+        found = (out / f"grpo-seed{seed}" / "diagnostics.jsonl").read_text().splitlines()
+        assert [json.loads(line)["rollout_step"] for line in found] == [1, 2]
+    table = (out / "ablation-diagnostics.md").read_text()
+    assert table.startswith("`python -m tools.ablate --methods grpo --seeds 2 --preset tiny ")
+    assert "--diagnose-every 2 -- " in table.splitlines()[0]
+    assert next(line for line in table.splitlines() if line.startswith("| grpo | 2 | "))
+    assert (tmp_path / "pub-diagnostics.md").read_text() == table
+    # measured as it trains, a run equals its standalone twin
+    pinned = ["--threads", "1", "--reward-workers", "1", "--output-dir", str(tmp_path / "twin")]
+    twin = run_cli(*tiny_args, "--method", "grpo", "--seed", "1", *steps, *pinned)
+    assert twin.returncode == 0, twin.stderr
+    assert read_metrics(tmp_path / "twin" / "metrics.jsonl") == read_metrics(
+        out / "grpo-seed1" / "metrics.jsonl"
+    )
 
 
 def test_ablate_checks_every_runs_options_before_the_first_run(tmp_path, capsys):

@@ -14,7 +14,6 @@ options of its own: `--methods "grpo,cw-detached=cw --cw-detach"`.
 
 import dataclasses
 import json
-import math
 import os
 import shlex
 import shutil
@@ -33,6 +32,7 @@ import cwgrpo
 from cwgrpo_utils import plots, presets
 from cwgrpo_utils.cli import arg, parse_dataclasses
 from cwgrpo_utils.run_folder import option_differences, read_records
+from tools import diagnose
 
 CWGRPO = Path(cwgrpo.__file__).resolve()
 CW_READINGS = (
@@ -57,6 +57,12 @@ class AblationConfig:
     )
     publish: str = arg("", "also write the table and plot here, as <publish>.md and .png")
     workers: int = arg(0, "runs at a time; 0 is one per CPU core")
+    diagnose_every: int = arg(
+        0,
+        "also measure the papers' diagnostics (python -m tools.diagnose train) at the first "
+        "rollout step and every this many, and tabulate them per method; 0: off",
+        ">= 0",
+    )
     threshold: float = arg(
         0.7, "accuracy for 'steps to threshold' (first step whose 10-step mean reaches it)"
     )
@@ -87,20 +93,10 @@ def parse_methods(spec: str) -> dict[str, list[str]]:
     return runs
 
 
-def cell(values: list[float], digits: int = 3) -> str:
-    mean, half = plots.interval(values)
-    return f"{mean:.{digits}f} ± {plus_minus(half, digits)}"
-
-
-def plus_minus(half: float, digits: int) -> str:
-    """An interval's half-width; n/a where one seed leaves it undefined."""
-    return "n/a" if math.isnan(half) else f"{half:.{digits}f}"
-
-
 def difference(values: list[float], baseline: list[float], digits: int = 3) -> str:
     """The paired difference over seeds, with its 95% interval; bold when it excludes 0."""
     mean, half = plots.interval([v - b for v, b in zip(values, baseline)])
-    text = f"{mean:+.{digits}f} ± {plus_minus(half, digits)}"
+    text = f"{mean:+.{digits}f} ± {plots.plus_minus(half, digits)}"
     return f"**{text}**" if abs(mean) > half else text  # False for NaN: one seed finds nothing
 
 
@@ -170,11 +166,9 @@ def run_one(
 ) -> None:
     if (run_dir / "wall_time.json").is_file():
         return  # finished by an earlier invocation, with these options (changed_runs checked)
-    command = [
-        sys.executable,
-        str(CWGRPO),
-        *run_arguments(options, seed, run_dir, acfg, run_args),
-    ]
+    every = acfg.diagnose_every
+    program = ["-m", "tools.diagnose", "train", "--every", str(every)] if every else [str(CWGRPO)]
+    command = [sys.executable, *program, *run_arguments(options, seed, run_dir, acfg, run_args)]
     if (run_dir / "metrics.jsonl").exists():
         command.append("--resume")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -184,7 +178,8 @@ def run_one(
             command,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            # tools.diagnose runs as a module of the repository, from any folder
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(CWGRPO.parent)},
         )
     if done.returncode:
         raise SystemExit(f"error: {label} seed {seed} failed; see {run_dir / 'log.txt'}")
@@ -231,9 +226,18 @@ def ablate(argv: list) -> Path:
     }
     table = ablation_table(summaries, methods, acfg, run_args, workers)
     print(table)
+    if acfg.diagnose_every:  # the papers' measurements per method, beside the table
+        found = {
+            label: [diagnose.run_summary(d) for lb, _, d in runs if lb == label]
+            for label in methods
+        }
+        diagnostics = diagnose.summary_table(found, command(acfg, run_args))
+        print(diagnostics)
     for stem in filter(None, (output_dir / "ablation", acfg.publish and Path(acfg.publish))):
         Path(stem).parent.mkdir(parents=True, exist_ok=True)
         Path(f"{stem}.md").write_text(table)
+        if acfg.diagnose_every:
+            Path(f"{stem}-diagnostics.md").write_text(diagnostics)
         if acfg.plot:
             plots.plot_ablation(
                 Path(f"{stem}.png"),
@@ -247,15 +251,23 @@ def ablate(argv: list) -> Path:
     return output_dir
 
 
+def command(acfg: AblationConfig, run_args: list) -> str:
+    """The command that makes this ablation, as its tables quote it."""
+    every = f" --diagnose-every {acfg.diagnose_every}" if acfg.diagnose_every else ""
+    options = f" -- {shlex.join(run_args)}" if run_args else ""
+    return (
+        f"python -m tools.ablate --methods {shlex.quote(acfg.methods)} --seeds {acfg.seeds} "
+        f"--preset {acfg.preset}{every}{options}"
+    )
+
+
 def ablation_table(
     summaries: dict, methods: dict, acfg: AblationConfig, run_args: list, workers: int
 ) -> str:
-    seeds, options = acfg.seeds, f" -- {shlex.join(run_args)}" if run_args else ""
-    baseline = summaries.get("grpo")
+    seeds, baseline = acfg.seeds, summaries.get("grpo")
     run_minutes = sum(r["wall_s"] for runs in summaries.values() for r in runs) / 60
     lines = [
-        f"`python -m tools.ablate --methods {shlex.quote(acfg.methods)} --seeds {seeds} --preset "
-        f"{acfg.preset}{options}`: {len(methods) * seeds} runs, {run_minutes:.1f} minutes of "
+        f"`{command(acfg, run_args)}`: {len(methods) * seeds} runs, {run_minutes:.1f} minutes of "
         f"run time in all, {workers} at a time.",
         "",
         f"Mean ± half-width of the 95% Student-t interval over seeds 0-{seeds - 1}. First and "
@@ -283,17 +295,18 @@ def ablation_table(
             )
 
         reached = [r["steps_to_threshold"] for r in runs if r["steps_to_threshold"] is not None]
-        steps = (cell(reached, 0) if reached else "never") + (
+        steps = (plots.cell(reached, 0) if reached else "never") + (
             f" ({len(runs) - len(reached)} never)" if reached and len(reached) < len(runs) else ""
         )
         lines.append(
             f"| {label} | `{shlex.join(methods[label])}` | "
             f"{statistics.fmean(values('first_accuracy_mean')):.3f} → "
-            f"{cell(values('final_accuracy_mean'))} | {delta('final_accuracy_mean')} | "
-            f"{cell(values('final_format_mean'))} | {delta('final_format_mean')} | "
+            f"{plots.cell(values('final_accuracy_mean'))} | {delta('final_accuracy_mean')} | "
+            f"{plots.cell(values('final_format_mean'))} | {delta('final_format_mean')} | "
             f"{statistics.fmean(values('first_entropy_mean')):.3f} → "
-            f"{cell(values('final_entropy_mean'))} | {delta('final_entropy_mean')} | {steps} | "
-            f"{cell(values('wall_s'), 0)} | "
+            f"{plots.cell(values('final_entropy_mean'))} | {delta('final_entropy_mean')} | "
+            f"{steps} | "
+            f"{plots.cell(values('wall_s'), 0)} | "
             f"{100 * statistics.fmean(values('touched_frac')):.1f}% |"
         )
     return "\n".join(lines) + "\n"

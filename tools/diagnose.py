@@ -37,7 +37,6 @@ from cwgrpo_utils.lm_head import squared_probability_mass
 from cwgrpo_utils.memory_plan import PlanOptions
 from cwgrpo_utils.run_folder import append_record, keep_records_until, read_records
 from cwgrpo_utils.vllm_engine import Engine
-from tools import ablate
 
 CONCENTRATION_CUTOFFS = (0.0001, 0.001, 0.01, 0.1, 1.0)  # top 0.01% ... 100% of one side
 PAPER_CONCENTRATION = {0.0001: (11.5, -13.6), 1.0: (0.06, -0.04)}  # CW-GRPO, R1-Distill-1.5B
@@ -416,7 +415,7 @@ def summary(argv: list) -> str:
         if not (run / "diagnostics.jsonl").is_file():
             raise SystemExit(f"error: {run} has no diagnostics.jsonl; train it with diagnose train")
         labels.setdefault(run.name.rsplit("-seed", 1)[0], []).append(run_summary(run))
-    table = summary_table(labels, scfg.runs)
+    table = summary_table(labels, f"python -m tools.diagnose summary --runs {' '.join(scfg.runs)}")
     if scfg.output:
         Path(scfg.output).write_text(table)
     print(table)
@@ -446,17 +445,19 @@ def run_summary(run: Path) -> dict:
 MASS_CUTOFFS = (0.0001, 0.001, 0.01)  # the top 0.01%, 0.1% and 1% of tokens by |covariance|
 
 
-def summary_table(labels: dict, runs: list) -> str:
+def summary_table(labels: dict, command: str) -> str:
+    """labels: method label -> its runs' run_summary; command: the one that made the table."""
+
     def cells(runs: list, key: str, digits: int = 2) -> str:
         if key.startswith("first"):  # first -> last
             last = key.replace("first", "last", 1)
             first = statistics.fmean(r[key] for r in runs)
-            return f"{first:.{digits}f} → {ablate.cell([r[last] for r in runs], digits)}"
-        return ablate.cell([r[key] for r in runs], digits)
+            return f"{first:.{digits}f} → {plots.cell([r[last] for r in runs], digits)}"
+        return plots.cell([r[key] for r in runs], digits)
 
     steps = {tuple(r["steps"]) for rs in labels.values() for r in rs}
     lines = [
-        f"`python -m tools.diagnose summary --runs {' '.join(runs)}`",
+        f"`{command}`",
         "",
         "Mean ± half-width of the 95% Student-t interval over each method's seeds; a → b: the "
         f"first diagnosed batch (rollout step {'/'.join(str(s[0]) for s in steps)}) against the "
