@@ -4,6 +4,7 @@ metrics, faking a crash, and the processes a run leaves."""
 import importlib.util
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -94,6 +95,20 @@ def run_cli(*args, timeout=600):
         text=True,
         timeout=timeout,
         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
+
+
+def evaluate_as_printed(run_output: str, *extra, cwd: Path, env: dict):
+    """The `evaluate it:` command a finished run printed, run as printed (with this venv's
+    python) from `cwd`, with `extra` options."""
+    printed = run_output.split("evaluate it: ")[1].split(" (at evaluate.py")[0]
+    return subprocess.run(
+        [sys.executable, *shlex.split(printed)[1:], *extra],
+        capture_output=True,
+        text=True,
+        timeout=1800,  # a hang guard
+        env=env,
+        cwd=cwd,
     )
 
 

@@ -28,6 +28,7 @@ from tests.support import (
     alive,
     children_of,
     crash_at_save,
+    evaluate_as_printed,
     fault_run,
     processes_tagged,
     read_metrics,
@@ -837,17 +838,9 @@ def test_the_tiny_preset_works_from_any_folder_builds_once_and_is_quiet(tmp_path
     assert progress == ["cw: step 10/12, " + progress[0].split(", ", 1)[1], progress[1]]
     assert progress[1].startswith("cw: step 12/12, reward ")
     # the evaluate command it prints works from the same folder, as printed (a few problems)
-    evaluate = done.stdout.split("evaluate it: ")[1].split(" (at evaluate.py")[0]
-    assert evaluate.startswith(f"python {clone / 'evaluate.py'} --model runs/cw-tiny-seed0/")
-    evaluate_args = [*shlex.split(evaluate)[1:], "--limit", "4", "--n", "2"]
-    evaluated = subprocess.run(
-        [sys.executable, *evaluate_args],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        env=env,
-        cwd=elsewhere,
-    )
+    printed = f"evaluate it: python {clone / 'evaluate.py'} --model runs/cw-tiny-seed0/"
+    assert printed in done.stdout
+    evaluated = evaluate_as_printed(done.stdout, "--limit", "4", "--n", "2", cwd=elsewhere, env=env)
     assert evaluated.returncode == 0, evaluated.stderr
     again = subprocess.run(
         command, capture_output=True, text=True, timeout=1800, env=env, cwd=tmp_path

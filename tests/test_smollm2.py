@@ -17,7 +17,7 @@ import transformers
 import cwgrpo
 import evaluate
 from cwgrpo_utils import SMOLLM2, loading, presets, smollm2, tiny
-from tests.support import ROLLOUT, ROOT
+from tests.support import ROLLOUT, ROOT, evaluate_as_printed
 
 # SmolLM2's chat template, its default system prompt renamed so that no other test has said it
 TEMPLATE_WITH_A_DEFAULT = (
@@ -128,16 +128,9 @@ def test_two_steps_of_the_smollm2_preset_and_evaluate_on_them_as_a_user_runs_the
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
     assert [r["step"] for r in records] == [1, 2]
     assert all(0 <= r["accuracy_mean"] <= 1 and r["format_mean"] == 0 for r in records)
-    evaluate_it = done.stdout.split("evaluate it: ")[1].split(" (at evaluate.py")[0].split()
-    assert "benchmarks/smollm2-sums.jsonl" in evaluate_it
-    assessed = subprocess.run(
-        [*evaluate_it, "--limit", "4", "--n", "2", "--output-dir", str(tmp_path / "eval")],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        env=env,
-        cwd=ROOT,
-    )
+    assert "--benchmarks benchmarks/smollm2-sums.jsonl" in done.stdout.split("evaluate it: ")[1]
+    few = ("--limit", "4", "--n", "2", "--output-dir", str(tmp_path / "eval"))
+    assessed = evaluate_as_printed(done.stdout, *few, cwd=ROOT, env=env)
     assert assessed.returncode == 0, assessed.stderr
     results = json.loads((tmp_path / "eval" / "results.json").read_text())["benchmarks"]
     assert results["smollm2-sums"]["problems"] == 4
