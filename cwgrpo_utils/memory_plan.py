@@ -50,6 +50,7 @@ class Architecture:
         heads = config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // heads
         llama_bias = config.get("attention_bias", False)
+        qwen2 = config.get("model_type", "qwen2") == "qwen2"  # a config that names none: Qwen2's
         return cls(
             config["vocab_size"],
             config["hidden_size"],
@@ -59,8 +60,8 @@ class Architecture:
             config.get("num_key_value_heads", heads),
             head_dim,
             bool(config.get("tie_word_embeddings", False)),
-            config.get("model_type") == "qwen2" or llama_bias,
-            config.get("model_type") != "qwen2" and llama_bias,
+            qwen2 or llama_bias,
+            not qwen2 and llama_bias,
             config.get("mlp_bias", False),
         )
 
