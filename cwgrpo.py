@@ -922,7 +922,7 @@ def train(cfg: Config, on_rollout: Callable | None = None) -> Path:
     starting = (cfg.resume, cfg.overwrite_output_dir, RESUME_MAY_CHANGE, cfg.report_to)
     # locked against a second run, Ctrl-C a stop after the step, a resume's checkpoint checked
     with RunFolder(cfg.output_dir, options, *starting) as run:
-        cfg = dataclasses.replace(cfg, model=presets.ready(cfg.model, cfg.dataset))  # built here?
+        cfg = dataclasses.replace(cfg, model=presets.ready(cfg.model, cfg.dataset))  # CPU presets
         if device.type == "cuda":  # before anything loads: a run that cannot fit stops here
             memory_plan.check_fit(cfg.model, plan_options, *torch.cuda.mem_get_info())
         loading.check_model_path(cfg.model)
@@ -946,7 +946,7 @@ def train(cfg: Config, on_rollout: Callable | None = None) -> Path:
             engine = Engine.for_run(cfg.model, *vllm) if cfg.rollout == "vllm" else None
             loop = (model, reference, tokenizer, prompts, grader, engine, run, on_rollout)
             training_loop(cfg, *loop)
-    final_model = ("--model", str(run.path / "final-model"), *tiny.evaluate_options(cfg.preset))
+    final_model = ("--model", str(run.path / "final-model"), *presets.evaluate_options(cfg.preset))
     evaluate = cli.command(str(REPOSITORY / "evaluate.py"), *final_model)
     print(plots.run_summary(run.path, time.perf_counter() - start, evaluate))
     return run.path

@@ -17,7 +17,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import cwgrpo
 from cwgrpo import Grader, cw_weights, format_reward, grade_accuracy, group_advantages
-from cwgrpo_utils import loading, tiny
+from cwgrpo_utils import loading, presets, tiny
 from cwgrpo_utils.grading_pool import LogCounter
 from tests.support import ROOT, SMALL_SHAPE
 
@@ -390,13 +390,13 @@ def test_the_chain_preset_builds_its_own_task_and_evaluates_on_every_problem(tmp
     made = (out / "model" / "model.safetensors").stat().st_mtime_ns
     tiny.build(str(tmp_path / "chain"), "tiny-chain", warmstart_steps=1, examples=30)
     assert (out / "model" / "model.safetensors").stat().st_mtime_ns == made  # built once
-    options = tiny.evaluate_options("tiny-chain")
+    options = presets.evaluate_options("tiny-chain")
     bench = Path(options[options.index("--benchmarks") + 1])
     problems = [json.loads(line) for line in (ROOT / bench).read_text().splitlines()]
     assert len({p["problem"] for p in problems}) == 4**4
     assert all(sum(map(int, p["problem"].split("+"))) == int(p["answer"]) for p in problems)
     assert options[options.index("--max-new-tokens") + 1] == "64"
-    assert tiny.evaluate_options("paper-1.5b") == ()
+    assert presets.evaluate_options("paper-1.5b") == ()
     data = ["--model", str(out / "model"), "--dataset", str(out / "arithmetic.jsonl")]
     run = ["--steps", "2", "--output-dir", str(tmp_path / "r")]
     cwgrpo.train(cwgrpo.parse_config(["--preset", "tiny-chain", *data, *run]))

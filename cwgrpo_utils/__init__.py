@@ -12,7 +12,7 @@ Each module knows nothing of cwgrpo and never imports it (as cleanRL keeps clean
 - plots, token_page: what a run shows a person
 - tiny: the tiny presets' models and tasks, built on first use
 - smollm2: the real-model preset's task, and its model built from a GGUF where the hub is off
-- presets: either made ready on first use (tiny's or smollm2's)
+- presets: the CPU presets made ready on first use, and the benchmark each is evaluated on
 - vllm_engine: the optional vLLM sampler
 """
 

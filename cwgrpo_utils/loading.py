@@ -202,10 +202,8 @@ def note_template_system_prompt(tokenizer, system_prompt: str) -> None:
     and Qwen2.5's write a default one; ChatML's, nothing): the prompt the model sees."""
     user = [{"role": "user", "content": "\x00"}]
     render = functools.partial(tokenizer.apply_chat_template, tokenize=False)
-    bare, around = (
-        render(user),
-        render([{"role": "system", "content": "\x01"}] + user).split("\x01"),
-    )
+    bare = render(user)
+    around = render([{"role": "system", "content": "\x01"}] + user).split("\x01")
     own = len(around) == 2 and bare.startswith(around[0]) and bare.endswith(around[1])
     default = bare[len(around[0]) : len(bare) - len(around[1])] if own else ""
     if not system_prompt and default:

