@@ -91,6 +91,7 @@ from tqdm import tqdm
 import cwgrpo
 from cwgrpo_utils import loading, plots, presets
 from cwgrpo_utils.checkpoints import checkpoint_step
+from cwgrpo_utils.prompts import chat_prompt_ids
 from cwgrpo_utils.vllm_engine import Engine
 
 
@@ -168,7 +169,7 @@ def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path) -> dict:
     loading.note_template_system_prompt(tokenizer, cfg.system_prompt)
     prompts_of = [
         [
-            cwgrpo.chat_prompt_ids(
+            chat_prompt_ids(
                 tokenizer, cfg.prompt_template.replace("{question}", q), cfg.system_prompt
             )
             for q, _ in problems
@@ -208,7 +209,9 @@ def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path) -> dict:
             for start in range(0, len(todo), cfg.batch_size):
                 batch = todo[start : start + cfg.batch_size]  # similar lengths: little padding
                 torch.manual_seed(cfg.seed + batch[0])  # a problem's samples: not what ran before
-                how = cwgrpo.Sampling(n, cfg.temperature, cfg.top_p, 0, cfg.max_new_tokens)
+                how = cwgrpo.Sampling(
+                    n, cfg.temperature, top_p=cfg.top_p, top_k=0, max_new_tokens=cfg.max_new_tokens
+                )
                 texts = generate([prompts[i] for i in batch], how).texts
                 all_grades = grader.map(
                     [
@@ -244,9 +247,15 @@ def sampler(model_path: str, tokenizer, cfg: EvalConfig, device, n: int, longest
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         model = loading.load_model(model_path, dtype, device).eval()
         return functools.partial(cwgrpo.generate_completions, model, tokenizer)
-    size = (longest_prompt + cfg.max_new_tokens, cfg.batch_size * n, device)
-    share, seed = cfg.vllm_gpu_memory_utilization, cfg.seed
-    engine = Engine(model_path, *size, share, seed, pushed_weights=False)
+    engine = Engine(
+        model_path,
+        max_model_len=longest_prompt + cfg.max_new_tokens,
+        rows=cfg.batch_size * n,
+        device=device,
+        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+        seed=cfg.seed,
+        pushed_weights=False,
+    )
     return functools.partial(cwgrpo.generate_completions, None, tokenizer, engine=engine)
 
 

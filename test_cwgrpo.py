@@ -5,6 +5,7 @@ Run: python -m pytest -q test_cwgrpo.py   (CPU, no network; the whole-run and sy
 in tests/, which CI runs too)
 """
 
+import doctest
 import json
 import logging
 import math
@@ -19,7 +20,11 @@ import cwgrpo
 from cwgrpo import Grader, cw_weights, format_reward, grade_accuracy, group_advantages
 from cwgrpo_utils import loading, presets, tiny
 from cwgrpo_utils.grading_pool import LogCounter
+from cwgrpo_utils.prompts import PromptStream, chat_prompt_ids
+from cwgrpo_utils.run_folder import update_metrics
 from tests.support import ROOT, SMALL_SHAPE
+
+CPU = torch.device("cpu")
 
 
 @pytest.fixture(autouse=True)
@@ -82,6 +87,14 @@ def test_cw_weights_hand_computed(norm, total, detach):
     expected = torch.tensor([[edge, edge, 0.0], [edge, edge, centre]])
     torch.testing.assert_close(w, expected, rtol=1e-6, atol=1e-7)
     assert w.requires_grad is (not detach)
+
+
+def test_the_worked_example_in_cw_weights_docstring_is_what_it_computes():
+    runner = doctest.DocTestRunner()
+    for example in doctest.DocTestFinder().find(cw_weights, globs=vars(cwgrpo).copy()):
+        runner.run(example)
+    failed, attempted = runner.summarize(verbose=False)
+    assert attempted == 6 and failed == 0
 
 
 def test_cw_gradient_flows_through_weights_only_when_not_detached():
@@ -192,7 +205,7 @@ class FixedSamples:
     def __init__(self, ids: torch.Tensor, eos: list[int]):
         self.ids, self.generation_config = ids, transformers.GenerationConfig(eos_token_id=eos)
 
-    def generate(self, model, prompts, n, temperature, top_p, top_k, limits, eos, pad):
+    def generate(self, model, prompts, how, limits, eos, pad):
         return self.ids, -torch.ones(self.ids.shape)
 
 
@@ -257,7 +270,7 @@ def test_byte_level_tokenizer_round_trips_and_reloads(tiny_model, tmp_path):
 def test_rollout_logprobs_match_unpadded_forward(tiny_model):
     model, tokenizer = tiny_model
     cfg = cwgrpo.parse_config(["--preset", "tiny", "--max-completion-length", "12"])
-    batch = [(cwgrpo.chat_prompt_ids(tokenizer, q, ""), "\\boxed{1}") for q in ["1+2", "12+30"]]
+    batch = [(chat_prompt_ids(tokenizer, q, ""), "\\boxed{1}") for q in ["1+2", "12+30"]]
     torch.manual_seed(0)
     rollout = cwgrpo.sample(model, tokenizer, batch, cfg)
     assert rollout.prompt_ids.shape[0] == 2 * cfg.group_size
@@ -285,7 +298,7 @@ def test_rollout_logprobs_match_unpadded_forward(tiny_model):
 def test_gradient_does_not_depend_on_micro_batching(tiny_model, method):
     """Per-group statistics and step-wide normalisers: a micro-batch of 2 groups == 2 of 1 group."""
     model, tokenizer = tiny_model
-    batch = [(cwgrpo.chat_prompt_ids(tokenizer, q, ""), "\\boxed{3}") for q in ["1+2", "2+1"]]
+    batch = [(chat_prompt_ids(tokenizer, q, ""), "\\boxed{3}") for q in ["1+2", "2+1"]]
     grads = []
     for groups_per_micro_batch in (2, 1):
         cfg = cwgrpo.parse_config(
@@ -307,16 +320,8 @@ def test_gradient_does_not_depend_on_micro_batching(tiny_model, method):
         rollout.advantages = torch.randn(
             len(rollout.texts), generator=torch.Generator().manual_seed(1)
         )
-        rows, n_tokens = (
-            cfg.groups_per_micro_batch * cfg.group_size,
-            int(rollout.completion_mask.sum()),
-        )
-        model.zero_grad()
-        for start in range(0, len(rollout.texts), rows):
-            loss, _ = cwgrpo.micro_batch_loss(
-                model, rollout.select(start, start + rows), cfg, len(rollout.texts), n_tokens
-            )
-            loss.backward()
+        model.zero_grad()  # the step's gradient, micro-batch by micro-batch as the run takes it
+        cwgrpo.accumulate_gradients(model, rollout, cfg, autocast=loading.autocast(CPU))
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     model.zero_grad()
     assert grads[0].abs().sum() > 0
@@ -726,7 +731,7 @@ def test_sampling_ignores_the_generation_config_the_model_ships(tiny_base):
     """A model's generation_config.json (Qwen2.5 Instruct ships repetition_penalty, top_k, top_p)
     must not change what is sampled: the loss assumes plain temperature sampling."""
     model, tokenizer = tiny_model_and_tokenizer(tiny_base)
-    prompts = [cwgrpo.chat_prompt_ids(tokenizer, q, "") for q in ("1+2", "7+8")]
+    prompts = [chat_prompt_ids(tokenizer, q, "") for q in ("1+2", "7+8")]
 
     def completions():
         torch.manual_seed(0)
@@ -744,7 +749,7 @@ def test_sampling_ignores_the_generation_config_the_model_ships(tiny_base):
 
 def test_total_length_limit_caps_prompt_plus_completion(tiny_base):
     model, tokenizer = tiny_model_and_tokenizer(tiny_base)
-    prompts = [cwgrpo.chat_prompt_ids(tokenizer, q, "") for q in ("1+2", "1+2" * 4)]
+    prompts = [chat_prompt_ids(tokenizer, q, "") for q in ("1+2", "1+2" * 4)]
     torch.manual_seed(0)
     how = cwgrpo.Sampling(3, 1.0, 1.0, 0, 40, max_total=len(prompts[1]) + 6)
     out = cwgrpo.generate_completions(model, tokenizer, prompts, how)
@@ -769,7 +774,7 @@ def test_sampling_loop_with_a_kv_cache_matches_greedy_generate(tiny_base, top_p,
     """With the nucleus or the top-k cut to one token, sampling is greedy decoding: the loop must
     then give exactly what transformers' generate gives, left padding included."""
     model, tokenizer = tiny_model_and_tokenizer(tiny_base)
-    prompts = [cwgrpo.chat_prompt_ids(tokenizer, q, "") for q in ("1+2", "12+30", "5+5")]
+    prompts = [chat_prompt_ids(tokenizer, q, "") for q in ("1+2", "12+30", "5+5")]
     how = cwgrpo.Sampling(2, 0.7, top_p, top_k, 16)
     out = cwgrpo.generate_completions(model, tokenizer, prompts, how)
     prompt_ids, prompt_mask = out.prompt_ids, out.prompt_mask
@@ -793,7 +798,7 @@ def test_sampling_loop_with_a_kv_cache_matches_greedy_generate(tiny_base, top_p,
 def test_sampled_tokens_follow_the_configured_distribution(tiny_base, temperature, top_p, top_k):
     """8,000 draws of one next token against softmax(logits / T), cut to top-k or top-p."""
     model, tokenizer = tiny_model_and_tokenizer(tiny_base)
-    prompt = torch.tensor([cwgrpo.chat_prompt_ids(tokenizer, "4+", "")])
+    prompt = torch.tensor([chat_prompt_ids(tokenizer, "4+", "")])
     with torch.no_grad():
         probs = (model(input_ids=prompt).logits[0, -1] / temperature).softmax(-1)
     kept = torch.zeros_like(probs, dtype=torch.bool)
@@ -861,7 +866,7 @@ def test_kl_cov_on_a_group_with_no_valid_token_penalises_nothing():
 
 def test_a_chunked_rollout_equals_the_unchunked_one_greedy(tiny_base):
     model, tokenizer = tiny_model_and_tokenizer(tiny_base)
-    prompts = [cwgrpo.chat_prompt_ids(tokenizer, q, "") for q in ["1+2", "3+3", "0+1", "12+3", "2"]]
+    prompts = [chat_prompt_ids(tokenizer, q, "") for q in ["1+2", "3+3", "0+1", "12+3", "2"]]
     torch.manual_seed(0)
     how = cwgrpo.Sampling(2, 1.0, 1.0, 1, 12)
     whole = cwgrpo.generate_completions(model, tokenizer, prompts, how)
@@ -1001,19 +1006,23 @@ def test_the_logged_mismatch_is_the_sampler_against_the_trainer(tiny_base):
     cfg = cwgrpo.parse_config(["--preset", "tiny", "--prompts-per-step", "2", "--beta", "0"])
     model = loading.load_model(str(tiny_base / "model"), torch.float32, "cpu")
     tokenizer = loading.load_tokenizer(str(tiny_base / "model"))
-    prompts = cwgrpo.PromptStream(tiny.arithmetic_dataset(0), tokenizer, cfg)
+    prompts = PromptStream(tiny.arithmetic_dataset(0), tokenizer, cfg)
     torch.manual_seed(0)
     rollout = cwgrpo.sample(model, tokenizer, prompts.next_batch(2), cfg)
     grades = [cwgrpo.Grade(float(i % 2), True, False) for i in range(len(rollout.texts))]
     cwgrpo.rollout_rewards(rollout, grades, cfg)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    autocast = loading.autocast(torch.device("cpu"))
-    real = cwgrpo.update(model, optimizer, scheduler, rollout, cfg, autocast)
+    autocast = loading.autocast(CPU)
+
+    def update() -> dict:  # the update's metrics, what a step logs
+        loss, token_values = cwgrpo.accumulate_gradients(model, rollout, cfg, autocast=autocast)
+        model.zero_grad()
+        return update_metrics(token_values, loss, grad_norm=0.0, lr=0.0)
+
+    real = update()
     assert real["sampler_logp_diff_max"] < 1e-5 and real["sampler_logp_diff_mean"] < 1e-6
     assert abs(real["sampler_ratio_min"] - 1) < 1e-5 and abs(real["sampler_ratio_max"] - 1) < 1e-5
     rollout.sampler_logp = (rollout.sampler_logp - 0.1) * rollout.completion_mask
-    shifted = cwgrpo.update(model, optimizer, scheduler, rollout, cfg, autocast)
+    shifted = update()
     assert shifted["sampler_logp_diff_mean"] == pytest.approx(0.1, abs=1e-5)
     assert shifted["sampler_logp_diff_max"] == pytest.approx(0.1, abs=1e-5)
     for stat in ("min", "mean", "max"):

@@ -20,6 +20,7 @@ fp32.
 """
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import tempfile
@@ -32,6 +33,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 import cwgrpo
 from cwgrpo_utils import loading, lora, memory_plan, tiny
 from cwgrpo_utils.cli import OPTIONAL
+from cwgrpo_utils.run_folder import update_metrics
 from cwgrpo_utils.vllm_engine import Engine
 
 PAPER_CONFIG = memory_plan.SHIPPED_CONFIGS / "deepseek-ai--DeepSeek-R1-Distill-Qwen-1.5B.json"
@@ -86,8 +88,7 @@ def vllm_check(model, tokenizer, cfg, batch, autocast, hf_decode: float) -> None
         (Path(folder) / "generation_config.json").write_text(json.dumps(gen))
         tokenizer.save_pretrained(folder)
         start = time.perf_counter()
-        vllm = (memory_plan.PlanOptions.of(cfg), device, cfg.vllm_gpu_memory_utilization, cfg.seed)
-        engine = Engine.for_run(folder, *vllm)
+        engine = Engine.for_run(dataclasses.replace(cfg, model=folder), device)
         started = time.perf_counter() - start
     start = time.perf_counter()
     engine.push_weights(model)
@@ -95,9 +96,9 @@ def vllm_check(model, tokenizer, cfg, batch, autocast, hf_decode: float) -> None
     if engine.sleeps:
         engine.llm.sleep(level=2)
     with autocast():
-        cwgrpo.sample(model, tokenizer, batch[:1], cfg, engine)  # warm-up: its first call compiles
+        cwgrpo.sample(model, tokenizer, batch[:1], cfg=cfg, engine=engine)  # warm-up: it compiles
         start = time.perf_counter()
-        rollout = cwgrpo.sample(model, tokenizer, batch, cfg, engine)
+        rollout = cwgrpo.sample(model, tokenizer, batch, cfg=cfg, engine=engine)
         decode_s = time.perf_counter() - start
         logp = cwgrpo.policy_token_stats(model, rollout, cfg)["logp"]
     valid = rollout.completion_mask.bool()
@@ -111,9 +112,9 @@ def vllm_check(model, tokenizer, cfg, batch, autocast, hf_decode: float) -> None
     prompts = [ids for ids, _ in batch[:4]]
     with autocast():
         torch.manual_seed(0)
-        greedy = cwgrpo.Sampling(1, 1.0, 1.0, 1, 32)
-        hf = cwgrpo.generate_completions(model, tokenizer, prompts, greedy)
-        ours = cwgrpo.generate_completions(model, tokenizer, prompts, greedy, engine=engine)
+        greedy = cwgrpo.Sampling(1, 1.0, top_p=1.0, top_k=1, max_new_tokens=32)
+        hf = cwgrpo.generate_completions(model, tokenizer, prompts, how=greedy)
+        ours = cwgrpo.generate_completions(model, tokenizer, prompts, how=greedy, engine=engine)
     width = min(hf.completion_ids.shape[1], ours.completion_ids.shape[1])
     same = (hf.completion_ids[:, :width] == ours.completion_ids[:, :width]).float().mean()
     print(
@@ -187,8 +188,7 @@ def main() -> None:
     autocast = loading.autocast(device)
     fused = device.type == "cuda"
     trained = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trained, cfg.learning_rate, fused=fused)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    optimizer = torch.optim.AdamW(trained, lr=cfg.learning_rate, fused=fused)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     decode_speeds = []
@@ -206,7 +206,13 @@ def main() -> None:
         rewards = torch.rand(len(rollout.texts), generator=torch.Generator().manual_seed(step))
         rollout.advantages = cwgrpo.group_advantages(rewards, cfg.group_size).to(device)
         start = time.perf_counter()
-        metrics = cwgrpo.update(model, optimizer, scheduler, rollout, cfg, autocast)
+        loss, token_values = cwgrpo.accumulate_gradients(model, rollout, cfg, autocast=autocast)
+        grad_norm = torch.nn.utils.clip_grad_norm_(trained, cfg.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        metrics = update_metrics(
+            token_values, loss, grad_norm=grad_norm.item(), lr=cfg.learning_rate
+        )
         update_s = time.perf_counter() - start
         tokens = int(rollout.prompt_mask.sum()) + generated
         print(

@@ -23,6 +23,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 import cwgrpo
 from cwgrpo_utils import loading, tiny
 from cwgrpo_utils.cli import require
+from cwgrpo_utils.prompts import chat_prompt_ids
 from cwgrpo_utils.vllm_engine import Engine
 
 CPU = torch.device("cpu")
@@ -31,7 +32,7 @@ CPU = torch.device("cpu")
 def tiny_case(root: Path):
     folder = tiny.build(str(root / "tiny-base")) / "model"
     tokenizer = loading.load_tokenizer(str(folder))
-    prompts = [cwgrpo.chat_prompt_ids(tokenizer, f"{a}+{b}", "") for a, b in zip(range(8), [3] * 8)]
+    prompts = [chat_prompt_ids(tokenizer, f"{a}+{b}", "") for a, b in zip(range(8), [3] * 8)]
     return folder, prompts, dict(n=8, temperature=1.0, new=40)
 
 
@@ -69,11 +70,13 @@ def measure(name: str, folder: Path, prompts: list, case: dict, rounds: int) -> 
     tokenizer = loading.load_tokenizer(str(folder))
     n, temperature, new = case["n"], case["temperature"], case["new"]
     longest = max(map(len, prompts)) + new
-    engine = Engine(str(folder), longest, n * len(prompts), CPU, seed=0)
-    how = cwgrpo.Sampling(n, temperature, 1.0, 0, new)
+    engine = Engine(str(folder), longest, n * len(prompts), device=CPU, seed=0)
+    how = cwgrpo.Sampling(n, temperature, top_p=1.0, top_k=0, max_new_tokens=new)
     engines = {
         "hf": lambda: cwgrpo.generate_completions(model, tokenizer, prompts, how),
-        "vllm": lambda: cwgrpo.generate_completions(model, tokenizer, prompts, how, engine=engine),
+        "vllm": lambda: cwgrpo.generate_completions(
+            model, tokenizer, prompts, how=how, engine=engine
+        ),
     }
     for generate in engines.values():
         generate()  # warm-up

@@ -172,4 +172,4 @@ def rng_kept():
 def resume_command() -> str:
     """The command line that continues this run: the same arguments, with --resume."""
     kept = [a for a in sys.argv[1:] if a not in ("--resume", "--overwrite-output-dir")]
-    return cli.command(None, *kept, "--resume")
+    return cli.command(None, [*kept, "--resume"])

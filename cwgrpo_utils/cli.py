@@ -165,7 +165,7 @@ def unknown_option_error(unknown: list[str], options: list[str]) -> str:
     return f"error: unknown option {word.split('=')[0]}{hint}"
 
 
-def command(program: str | None = None, *args: str) -> str:
+def command(program: str | None, args: list[str]) -> str:
     """The command that runs `program` (this one when None: its script, or python -m for a
     module) with args, typed in the working folder: a path below it relative, any other absolute."""
     spec = getattr(sys.modules["__main__"], "__spec__", None)

@@ -1,6 +1,6 @@
 """lm_head.py: log-probs and entropies through the LM head without holding vocab x length logits.
 
-cwgrpo.py's log-probs (section 5) come from here. At Qwen's vocabulary (151,936) a 4,096-token
+cwgrpo.py's log-probs (section 4) come from here. At Qwen's vocabulary (151,936) a 4,096-token
 completion has 622M logits, 2.5 GB in float32, and backward needs as much again; computing them
 chunk of positions by chunk, and recomputing each chunk in backward, keeps two chunks alive at
 most. ICT's divergence streams over the same distributions. This module knows nothing of cwgrpo.

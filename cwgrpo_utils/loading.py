@@ -158,22 +158,27 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device):
     return model.to(device)
 
 
-def load_policy(
-    model_path: str, checkpoint, device, lora_rank, alpha, targets, seed=0, checkpointing=False
-):
-    """The model trained: fp32 master weights, the checkpoint's when resuming; with LoRA (rank >
-    0) the frozen base, bf16 on CUDA, under an fp32 adapter, the checkpoint's or a fresh one drawn
-    from `seed`. With checkpointing, its activations are recomputed in backward."""
-    if not lora_rank:
-        model = load_model(str(checkpoint or model_path), torch.float32, device)
+def load_policy(cfg, checkpoint, device):
+    """The model a run of cfg trains: fp32 master weights, the checkpoint's when resuming; with
+    LoRA (cfg.lora_rank > 0) the frozen base, bf16 on CUDA, under an fp32 adapter, the
+    checkpoint's or a fresh one drawn from cfg.seed. With cfg.gradient_checkpointing, its
+    activations are recomputed in backward."""
+    if not cfg.lora_rank:
+        model = load_model(str(checkpoint or cfg.model), torch.float32, device)
     else:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        base = load_model(model_path, dtype, device).requires_grad_(False)
+        base = load_model(cfg.model, dtype, device).requires_grad_(False)
         if checkpoint is None:
-            model = lora.adapted(base, lora_rank, alpha, targets, seed)
+            model = lora.adapted(
+                base,
+                cfg.lora_rank,
+                cfg.lora_alpha,
+                target_modules=cfg.lora_target_modules,
+                seed=cfg.seed,
+            )
         else:
             model = lora.load_adapter(base, checkpoint)
-    if checkpointing:
+    if cfg.gradient_checkpointing:
         enable_checkpointing(model)
     return model
 

@@ -7,9 +7,9 @@ import math
 import statistics
 from pathlib import Path
 
-from cwgrpo_utils import token_page
+from cwgrpo_utils import REPOSITORY, presets
 from cwgrpo_utils.checkpoints import checkpoint_step, checkpoints
-from cwgrpo_utils.cli import shown_path, warn_once
+from cwgrpo_utils.cli import command, shown_path, warn_once
 from cwgrpo_utils.run_folder import never_fatal, read_records
 
 
@@ -192,9 +192,12 @@ def warn_of_grading_problems(metrics: dict) -> None:
             warn_once(key, f"warning: {metrics[key]} {problem} (scored 0); counted in '{key}'")
 
 
-def run_summary(output_dir: Path, wall_s: float, evaluate_command: str) -> str:
+def run_summary(output_dir: Path, wall_s: float, preset: str) -> str:
     """What a run did, in a few lines: first -> last 10% of each curve (the format's only where the
-    reward counts it), its wall time, and where its checkpoints, final model and pictures are."""
+    reward counts it), its wall time, where its checkpoints, final model and pictures are, and the
+    command that evaluates its final model (on a CPU preset's own benchmark)."""
+    final_model = ["--model", str(output_dir / "final-model"), *presets.evaluate_options(preset)]
+    evaluate_command = command(str(REPOSITORY / "evaluate.py"), final_model)
     records = read_records(output_dir / "metrics.jsonl")
     options = json.loads((output_dir / "run_config.json").read_text())
     out = [
@@ -259,12 +262,8 @@ def plot_run(metrics_path: Path, path: Path, title: str) -> None:
     plt.close(figure)
 
 
-def draw_run(
-    output_dir: Path, title: str, method: str, methods: dict, views: list[dict], note: str = ""
-) -> None:
-    """A run's curves.png and tokens.html (token_page's arguments). A picture never costs the
-    run: either failing warns once, in one line, and the run trains on."""
+def draw_curves(output_dir: Path, title: str) -> None:
+    """A run's curves.png, redrawn from its metrics.jsonl. A picture never costs the run: a
+    failure warns once, in one line, and the run trains on."""
     with never_fatal("draw curves.png"):
         plot_run(output_dir / "metrics.jsonl", output_dir / "curves.png", title)
-    with never_fatal("write tokens.html"):
-        token_page.write(output_dir / "tokens.html", title, method, methods, views, note)

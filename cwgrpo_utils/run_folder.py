@@ -1,8 +1,8 @@
 """A run's output folder for as long as the run lives: the lock, the stop signals, the resume
 policy, run_config.json and metrics.jsonl, and the run's progress and warnings.
 
-    with RunFolder(path, options, resume, overwrite, may_change) as run:
-        run.start(record)        # run_config.json, and on resume the records after it dropped
+    with RunFolder.for_run(cfg) as run:
+        run.start(used)          # run_config.json, and on resume the records after it dropped
         run.log(metrics)         # one line of metrics.jsonl per optimizer step
         if run.stop.requested:   # Ctrl-C or SIGTERM: finish the step, checkpoint, exit
                                  # (a second one: at once, the step lost)
@@ -13,6 +13,7 @@ with the run's own options.
 """
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import os
@@ -29,6 +30,18 @@ from cwgrpo_utils import checkpoints
 from cwgrpo_utils.cli import warn_once
 from cwgrpo_utils.trackers import Trackers
 
+# The options a resumed run may change, none of them its recipe: more --steps extend it (the
+# cosine schedule is then recomputed over the new total), the rest say where and how often it
+# reports.
+RESUME_MAY_CHANGE = (
+    "steps",
+    "save_every",
+    "log_every",
+    "reward_workers",
+    "output_dir",
+    "report_to",
+)
+
 
 class RunFolder:
     """The folder of one run, locked and prepared; see the module's docstring."""
@@ -41,11 +54,28 @@ class RunFolder:
         self.metrics = self.path / "metrics.jsonl"
         self.trackers = None
 
+    @classmethod
+    def for_run(cls, cfg) -> "RunFolder":
+        """The folder of a run of cwgrpo.py's cfg (its output_dir, resume, overwrite_output_dir and
+        report_to), which a resume may change only RESUME_MAY_CHANGE of."""
+        options = dataclasses.asdict(cfg)
+        return cls(
+            cfg.output_dir,
+            options,
+            cfg.resume,
+            cfg.overwrite_output_dir,
+            may_change=RESUME_MAY_CHANGE,
+            report_to=cfg.report_to,
+        )
+
     def __enter__(self) -> "RunFolder":
         with contextlib.ExitStack() as stack:
             stack.enter_context(RunLock(self.path))
             self.stop = stack.enter_context(StopRequest())
             self.resume_from = resumable_checkpoint(self.path, self.resume)
+            self.resumed_step = (
+                0 if self.resume_from is None else checkpoints.checkpoint_step(self.resume_from)
+            )
             self.recorded = None
             if self.resume_from is not None:
                 self.recorded = check_resume(self.resume_from, self.options, self.may_change)
@@ -79,12 +109,13 @@ class RunFolder:
             )
         return False
 
-    def start(self, record: dict) -> None:
-        """run_config.json holds `record` (a resume adds what it changed under "resumes"), and
-        metrics.jsonl keeps only the records up to the checkpoint resumed from."""
+    def start(self, **used) -> None:
+        """run_config.json holds the run's options and what it `used` (torch threads, say; a
+        resume adds what it changed under "resumes"), and metrics.jsonl keeps only the records up
+        to the checkpoint resumed from."""
+        record = self.options | used
         prepare_output_dir(self.path, self.resume_from, self.overwrite, record)
-        done = 0 if self.resume_from is None else checkpoints.checkpoint_step(self.resume_from)
-        keep_records_until(self.metrics, done)
+        keep_records_until(self.metrics, self.resumed_step)
         kept = read_records(self.metrics) if self.metrics.is_file() else []
         logged = kept[-1]["step"] if kept else 0  # optimizer steps
         self.trackers = Trackers(self.report_to, self.path, record, logged)
@@ -94,13 +125,19 @@ class RunFolder:
         append_record(self.metrics, record)
         self.trackers.log(record)
 
-    def save(self, step: int, model, tokenizer, optimizer, scheduler, keep: int, more: dict):
-        """checkpoint-<step>: the weights, what a resume needs (trainer_state, with `more`) and
-        the run's options; only the newest `keep` checkpoints stay (0: all)."""
-        state = checkpoints.trainer_state(optimizer, scheduler, step, **more)
-        files = {"run_config.json": json.dumps(self.options, indent=2)}
+    def save(self, step: int, model, tokenizer, state: dict) -> None:
+        """checkpoint-<step>: the weights, what a resume needs (checkpoints.trainer_state's
+        `state`) and the run's options; only the newest --save-total-limit checkpoints stay."""
         self.saved = f"checkpoint-{step}"
-        checkpoints.save_checkpoint(self.path, self.saved, model, tokenizer, state, files, keep)
+        checkpoints.save_checkpoint(
+            self.path,
+            self.saved,
+            model=model,
+            tokenizer=tokenizer,
+            trainer_state=state,
+            files={"run_config.json": json.dumps(self.options, indent=2)},
+            keep=self.options["save_total_limit"],
+        )
 
     def stop_if_requested(self, step: int) -> None:
         if self.stop.requested:

@@ -1,13 +1,60 @@
 """tokens.html: a self-contained page of a run's sampled completions, each token coloured by the
-weight a method gives it, with a selector for every other method's weights on the same tokens."""
+weight a method gives it, with a selector for every other method's weights on the same tokens.
+TokenPage draws it from inside a run, as a hook of cwgrpo.py's training loop."""
 
 import codecs
 import html
 import json
 import unicodedata
 from pathlib import Path
+from typing import Callable
 
 from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from cwgrpo_utils.checkpoints import rng_kept
+from cwgrpo_utils.run_folder import append_record, keep_records_until, never_fatal, read_records
+
+# What the legend adds under the released CW reading
+CW_NOTE = (
+    "cw as released normalises its weights over padded positions, so their mean over real tokens "
+    "is above 1 and most tokens show orange."
+)
+
+
+class TokenPage:
+    """A run's tokens.html: at its first and its last step, one group's prompt and a few of its
+    completions, each token coloured by the weight that every update pass of every method gives
+    it. A hook of the training loop, called with each scored rollout batch; `weigh(model, rows)`
+    (cwgrpo.py's every_methods_weights) gives the weights. The views are kept in the run's
+    tokens.jsonl, a record a step, so a resumed run keeps its first step's; a page that cannot be
+    drawn warns once and the run trains on."""
+
+    def __init__(self, run, cfg, tokenizer, methods: dict, weigh: Callable):
+        self.path = run.path
+        self.views = run.path / "tokens.jsonl"
+        keep_records_until(self.views, run.resumed_step)  # the steps a resume redoes go
+        self.cfg, self.tokenizer, self.weigh = cfg, tokenizer, weigh
+        self.passes = passes(methods)
+        self.title = f"{cfg.method} on {cfg.model}, seed {cfg.seed}"
+
+    def __call__(self, step: int, model, rollout, autocast) -> None:
+        if step not in (1, self.cfg.steps):
+            return
+        with never_fatal("draw the token page"):
+            rows = rollout.select(0, self.cfg.group_size)
+            with rng_kept(), autocast():  # clip_cov draws at random: training goes on unchanged
+                weighed = self.weigh(model, rows)
+            label = f"step {step}"
+            append_record(
+                self.views,
+                {"rollout_step": step, **view(label, self.tokenizer, rows, weighed, self.passes)},
+            )
+        with never_fatal("write tokens.html"):
+            about = {shown: text for shown, *_, text in self.passes}
+            note = CW_NOTE if self.cfg.cw_norm == "padded" else ""
+            views = read_records(self.views)
+            write(self.path / "tokens.html", self.title, self.cfg.method, about, views, note)
+
 
 STYLE = """
 body { font: 14px/1.5 system-ui, sans-serif; margin: 1.5em; max-width: 70em; color: #222; }
@@ -47,11 +94,12 @@ show(data.method);
 """
 
 
-def passes(methods: dict[str, tuple[str, int]]) -> list[tuple[str, str, int, str]]:
+def passes(methods: dict) -> list[tuple[str, str, int, str]]:
     """(name shown, method, update pass, description) of every update pass of every method, from
-    method -> (description, update passes): lopti's two passes are two views of the page."""
+    method -> its description and update_passes: lopti's two passes are two views of the page."""
     shown = []
-    for name, (description, update_passes) in methods.items():
+    for name, method in methods.items():
+        description, update_passes = method.description, method.update_passes
         shown.append((name, name, 0, description + " (pass 1)" * (update_passes > 1)))
         for p in range(1, update_passes):
             shown.append(
@@ -65,43 +113,33 @@ def passes(methods: dict[str, tuple[str, int]]) -> list[tuple[str, str, int, str
     return shown
 
 
-def view(
-    label: str,
-    tokenizer,
-    prompt: str,
-    scores: tuple,
-    completion_ids,
-    mask,
-    logp,
-    cov,
-    adv,
-    weights: dict,
-    touched: dict,
-) -> dict:
-    """One step's view for write(), from a group's (G, T) tensors: its prompt, the shown
-    completions' tokens (as many as completion_ids has), each token's probability, covariance
-    score and every method's weight and touched flag, and each completion's advantage and
-    `scores` (its reward, and its accuracy: 1 when right); rounded to 4 digits."""
-    lengths = mask.sum(1).long().tolist()[: len(completion_ids)]
-    reward, accuracy = (values[: len(lengths)].tolist() for values in scores)
+def view(label: str, tokenizer, rows, weighed: dict, shown_passes: list, shown: int = 4) -> dict:
+    """One step's view for write(), from a scored group's rows (a cwgrpo Rollout: its prompt,
+    completions, rewards, accuracy, advantages) and weighed, cwgrpo's every_methods_weights of
+    them: the prompt, the first `shown` completions' tokens, each token's probability, covariance
+    score and every pass's weight and touched flag, and each completion's advantage and reward and
+    whether it is right (accuracy 1); rounded to 4 digits."""
+    mask = rows.completion_mask
+    lengths = mask.sum(1).long().tolist()[:shown]
 
-    def rows(values) -> list[list[float]]:
+    def per_token(values) -> list[list[float]]:
         return [[float(f"{v:.4g}") for v in row[:n].tolist()] for row, n in zip(values, lengths)]
 
+    prompt = tokenizer.decode(rows.prompt_ids[0, rows.prompt_mask[0].bool()])
+    completions = [ids[:n].tolist() for ids, n in zip(rows.completion_ids, lengths)]
+    weights = {name: weighed[method, p] for name, method, p, _ in shown_passes}
     return {
         "label": label,
         "prompt": visible(prompt),
         "group_size": len(mask),
-        "reward": [round(r, 4) for r in reward],
-        "correct": [a == 1 for a in accuracy],
-        "tokens": [
-            token_texts(tokenizer, ids[:n].tolist()) for ids, n in zip(completion_ids, lengths)
-        ],
-        "prob": rows(logp.exp()),
-        "cov": rows(cov),
-        "adv": [round(a, 4) for a in adv[: len(lengths)].tolist()],
-        "weights": {k: rows(w) for k, w in weights.items()},
-        "touched": {k: rows(t.int()) for k, t in touched.items()},
+        "reward": [round(r, 4) for r in rows.rewards[: len(lengths)].tolist()],
+        "correct": [a == 1 for a in rows.accuracy[: len(lengths)].tolist()],
+        "tokens": [token_texts(tokenizer, ids) for ids in completions],
+        "prob": per_token(weighed["logp"].exp()),
+        "cov": per_token(weighed["cov"]),
+        "adv": [round(a, 4) for a in rows.advantages[: len(lengths)].tolist()],
+        "weights": {name: per_token(w) for name, (w, _) in weights.items()},
+        "touched": {name: per_token(t.int()) for name, (_, t) in weights.items()},
     }
 
 

@@ -72,10 +72,18 @@ class Engine:
             self.llm.sleep(level=2)
 
     @classmethod
-    def for_run(cls, model_path: str, plan: PlanOptions, device, share: float, seed: int):
-        """The trainer's engine (--rollout vllm), sized for a run's step: all its rows at once, each
-        as long as a row can be; it samples only the weights pushed."""
-        return cls(model_path, plan.positions, plan.rows, device, share, seed)
+    def for_run(cls, cfg, device) -> "Engine":
+        """The trainer's engine (--rollout vllm) for a run of cfg, sized for its step: all its rows
+        at once, each as long as a row can be; it samples only the weights pushed."""
+        plan = PlanOptions.of(cfg)
+        return cls(
+            cfg.model,
+            max_model_len=plan.positions,
+            rows=plan.rows,
+            device=device,
+            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+            seed=cfg.seed,
+        )
 
     def push_weights(self, model) -> None:
         """model's weights into the engine. state_dict, not named_parameters, which leaves out a
@@ -88,8 +96,9 @@ class Engine:
         self.llm.reset_prefix_cache()
 
     @torch.no_grad()
-    def generate(self, model, prompts, n, temperature, top_p, top_k, limits, eos, pad: int):
-        """n samples of each prompt, at most its limit of new tokens each, ending at an eos id: the
+    def generate(self, model, prompts, how, limits, eos, pad: int):
+        """how.n samples of each prompt from softmax(logits / how.temperature), cut to how.top_p
+        and how.top_k where set, at most its limit of new tokens each, ending at an eos id: the
         (prompts x n, T) token ids, right-padded with `pad`, and their log-probs (0 on padding).
         With pushed_weights, `model`'s weights are pushed first, every call; else model is None."""
         if (model is not None) != self.pushed_weights:
@@ -99,7 +108,7 @@ class Engine:
         if self.sleeps:
             self.llm.wake_up(tags=["kv_cache"])
         try:
-            params = [self.sampling_params(n, temperature, top_p, top_k, k, eos) for k in limits]
+            params = [self.sampling_params(how, max_tokens=k, eos=eos) for k in limits]
             requests = [{"prompt_token_ids": prompt} for prompt in prompts]
             outputs = self.llm.generate(requests, params, use_tqdm=False)
         finally:
@@ -107,13 +116,17 @@ class Engine:
                 self.llm.sleep(level=2)
         return padded([row for output in outputs for row in output.outputs], pad)
 
-    def sampling_params(self, n, temperature, top_p, top_k, max_tokens, eos):
+    def sampling_params(self, how, max_tokens: int, eos):
         """Exactly the configured distribution: temperature, top-p and top-k only where set.
         Rows stop at the caller's EOS ids alone (ignore_eos: not also at vLLM's own idea of EOS)."""
-        cut = ({"top_p": top_p} if top_p < 1 else {}) | ({"top_k": top_k} if top_k else {})
+        cut = {}
+        if how.top_p < 1:
+            cut["top_p"] = how.top_p
+        if how.top_k:
+            cut["top_k"] = how.top_k
         return self.vllm.SamplingParams(
-            n=n,
-            temperature=temperature,
+            n=how.n,
+            temperature=how.temperature,
             max_tokens=max_tokens,
             logprobs=0,  # the sampled token's own log-prob
             stop_token_ids=eos,

@@ -102,7 +102,13 @@ def make_policy_loss(method_name: str, overrides: dict):
         )
         terms = method.token_terms(group, cfg)
         loss = cwgrpo.token_loss(
-            log_prob, old_log_prob, None, per_response, terms, cfg, method.clip
+            log_prob,
+            old_log_prob,
+            None,
+            advantages=per_response,
+            terms=terms,
+            cfg=cfg,
+            clip=method.clip,
         )
         if rollout_is_weights is not None:
             loss = loss * rollout_is_weights
@@ -113,26 +119,18 @@ def make_policy_loss(method_name: str, overrides: dict):
             **getattr(config, "global_batch_info", {}),
         )
         # the sampler's log-probs are verl's business (it weights and logs its own rollout
-        # correction, rollout_is_weights): old_log_prob stands in, and no mismatch is reported
-        token = cwgrpo.token_metrics(
-            log_prob.detach(),
-            old_log_prob,
-            None,
-            torch.zeros_like(log_prob),
-            per_response,
-            mask,
-            old_log_prob,
-            terms,
-            cfg,
-        )
+        # correction, rollout_is_weights), and so is the KL: only the method's figures here
         valid = response_mask.bool()
+        ratio = torch.exp(log_prob.detach() - old_log_prob)
+        clipped = cwgrpo.ppo_clipped(ratio, per_response, cfg) & method.clip
+        w = terms.pg_weight.detach()[valid]
         return pg_loss, {
-            "actor/pg_clipfrac": token["clipped"].mean().item(),
+            "actor/pg_clipfrac": clipped[valid].float().mean().item(),
             "actor/ppo_kl": (old_log_prob - log_prob).detach()[valid].mean().item(),
-            "actor/cwgrpo_w_mean": token["w"].mean().item(),
-            "actor/cwgrpo_w_min": token["w"].min().item(),
-            "actor/cwgrpo_w_max": token["w"].max().item(),
-            "actor/cwgrpo_touched_frac": token["touched"].mean().item(),
+            "actor/cwgrpo_w_mean": w.mean().item(),
+            "actor/cwgrpo_w_min": w.min().item(),
+            "actor/cwgrpo_w_max": w.max().item(),
+            "actor/cwgrpo_touched_frac": cwgrpo.touched_tokens(terms)[valid].float().mean().item(),
         }
 
     policy_loss.__name__ = f"cwgrpo_{method_name}_policy_loss"

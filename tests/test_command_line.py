@@ -34,8 +34,11 @@ def test_help_documents_every_option_and_method():
     assert "{" + ",".join(cwgrpo.METHODS) + "}" in out.stdout  # every method, in the table's order
 
 
-def test_the_method_names_known_before_torch_are_the_methods_table():
-    assert tuple(cwgrpo.METHOD_OPTIONS) == tuple(cwgrpo.METHODS)
+def test_every_method_in_the_one_table_has_its_token_terms_and_real_options():
+    fields = {f.name for f in cwgrpo.dataclasses.fields(cwgrpo.Config)}
+    for name, method in cwgrpo.METHODS.items():
+        assert method.token_terms.__name__ == name  # registered under its own name
+        assert set(method.options) <= fields, name
 
 
 def test_flags_that_contradict_each_other_are_one_line_naming_both():

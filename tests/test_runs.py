@@ -1,6 +1,7 @@
 """System tests of whole runs: kill anywhere, faults, degenerate batches, bad input, resume, the
 processes a run owns, and what it leaves (its curves, its token page, its summary)."""
 
+import functools
 import json
 import math
 import os
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import cwgrpo
 from cwgrpo_utils import checkpoints, cli, loading, run_folder, tiny, token_page
+from cwgrpo_utils.prompts import chat_prompt_ids
 from tests.support import (
     LORA,
     ROLLOUT,
@@ -297,9 +300,7 @@ def test_a_run_leaves_its_curves_and_a_valid_small_token_page(tiny_run):
     assert (tiny_run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     page = (tiny_run / "tokens.html").read_text()
     assert "cw as released normalises its weights over padded positions" in page  # the legend
-    views = torch.load(tiny_run / "checkpoint-4" / "trainer_state.pt", weights_only=False)[
-        "token_views"
-    ]
+    views = run_folder.read_records(tiny_run / "tokens.jsonl")
     assert [v["label"] for v in views] == ["step 1", "step 4"]
     assert len(page.encode()) < 300_000
     parser = PageParser()
@@ -308,7 +309,7 @@ def test_a_run_leaves_its_curves_and_a_valid_small_token_page(tiny_run):
     assert parser.stack == []
     for index, view in enumerate(views):  # every token's text, once per view, in order
         assert parser.views[index] == [token for tokens in view["tokens"] for token in tokens]
-        assert list(view["weights"]) == [shown for shown, *_ in cwgrpo.PASSES]
+        assert list(view["weights"]) == [shown for shown, *_ in token_page.passes(cwgrpo.METHODS)]
     embedded = page.split('<script type="application/json" id="data">')[1].split("</script>")[0]
     assert json.loads(embedded)["views"][0]["weights"] == views[0]["weights"]
 
@@ -341,21 +342,23 @@ def test_token_view_shows_the_prompt_scores_and_the_methods_weights(tiny_base, t
     model = loading.load_model(str(tiny_base / "model"), torch.float32, torch.device("cpu"))
     tokenizer = loading.load_tokenizer(str(tiny_base / "model"))
     torch.manual_seed(0)
-    rollout = cwgrpo.sample(
-        model, tokenizer, [(cwgrpo.chat_prompt_ids(tokenizer, "3+4", ""), "\\boxed{7}")], cfg
-    )
+    batch = [(chat_prompt_ids(tokenizer, "3+4", ""), "\\boxed{7}")]
+    rollout = cwgrpo.sample(model, tokenizer, batch, cfg=cfg)
     grades = [cwgrpo.grade_accuracy(text, "\\boxed{7}") for text in rollout.texts]
     cwgrpo.rollout_rewards(rollout, grades, cfg)
     rollout.advantages = torch.randn(cfg.group_size, generator=torch.Generator().manual_seed(1))
+    run = types.SimpleNamespace(path=tmp_path, resumed_step=0)  # a fresh run's folder
+    weigh = functools.partial(cwgrpo.every_methods_weights, cfg=cfg)
+    page = token_page.TokenPage(run, cfg, tokenizer, methods=cwgrpo.METHODS, weigh=weigh)
     rng = torch.get_rng_state()
-    view = cwgrpo.token_view(model, tokenizer, rollout, cfg, "step 1")
-    assert torch.equal(torch.get_rng_state(), rng)
+    page(step=1, model=model, rollout=rollout, autocast=loading.autocast(torch.device("cpu")))
+    assert torch.equal(torch.get_rng_state(), rng)  # clip_cov's draws leave training unchanged
+    (view,) = run_folder.read_records(tmp_path / "tokens.jsonl")
     assert view["prompt"] == "<|im_start|>user\n3+4<|im_end|>\n<|im_start|>assistant\n"
     assert view["group_size"] == cfg.group_size == 8 and len(view["tokens"]) == 4
     assert view["reward"] == pytest.approx(rollout.rewards[:4].tolist(), abs=1e-4)
     assert view["correct"] == [g.accuracy == 1 for g in grades[:4]]
-    token_page.write(tmp_path / "t.html", "t", "cw", {"cw": "CW"}, [view])
-    page = (tmp_path / "t.html").read_text()
+    page = (tmp_path / "tokens.html").read_text()
     assert "4 of the group's 8 completions" in page and "3+4" in page
     for i, right in enumerate(view["correct"]):
         verdict = "correct" if right else "wrong"
@@ -497,7 +500,7 @@ KILL_POINTS = {  # CWGRPO_FAULT -> where the run dies
     "torch:save:4:after": "checkpoint-4: trainer state written, not yet renamed",
     "cwgrpo_utils.checkpoints:prune_checkpoints:2": "checkpoint-4 renamed, 2 still has optimizer",
     "cwgrpo_utils.plots:plot_run:1": "just after checkpoint-2 is complete, before its pictures",
-    "cwgrpo_utils.token_page:write:2": "drawing checkpoint-4's token page",
+    "cwgrpo_utils.token_page:write:2": "drawing the last step's token page, before its update",
     "cwgrpo_utils.checkpoints:save_checkpoint:4": "after every step, before final-model is written",
 }
 
@@ -641,10 +644,9 @@ def test_drawing_that_fails_warns_once_and_the_run_trains_on(tiny_args, tmp_path
 def single_valid_token(sample):
     """The real sampler, with every token of the first group but its first one masked out."""
 
-    def wrapped(*args, **kwargs):
-        rollout = sample(*args, **kwargs)
-        group = args[3].group_size
-        rollout.completion_mask[:group] = 0
+    def wrapped(model, tokenizer, batch, cfg, engine=None):
+        rollout = sample(model, tokenizer, batch, cfg=cfg, engine=engine)
+        rollout.completion_mask[: cfg.group_size] = 0
         rollout.completion_mask[0, 0] = 1
         return rollout
 
@@ -653,7 +655,7 @@ def single_valid_token(sample):
 
 def prompt_length(tiny_base) -> int:
     tokenizer = loading.load_tokenizer(str(tiny_base / "model"))
-    return len(cwgrpo.chat_prompt_ids(tokenizer, "1+2", ""))  # every tiny question is a+b
+    return len(chat_prompt_ids(tokenizer, "1+2", ""))  # every tiny question is a+b
 
 
 DEGENERATE = ["all-masked", "equal-rewards", "eos-at-once", "one-valid-token", "prompt-at-limit"]
@@ -849,9 +851,10 @@ def test_the_tiny_preset_works_from_any_folder_builds_once_and_is_quiet(tmp_path
 
 
 def test_lopti_shows_both_passes_on_the_token_page():
-    names = [shown for shown, *_ in cwgrpo.PASSES]
+    passes = token_page.passes(cwgrpo.METHODS)
+    names = [shown for shown, *_ in passes]
     assert names.count("lopti") == 1 and "lopti, pass 2" in names and "ar_lopti, pass 2" in names
-    about = {shown: text for shown, *_, text in cwgrpo.PASSES}
+    about = {shown: text for shown, *_, text in passes}
     assert about["lopti, pass 2"] == "lopti's pass 2, on the tokens pass 1 left out"
 
 

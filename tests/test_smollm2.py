@@ -16,7 +16,7 @@ import transformers
 
 import cwgrpo
 import evaluate
-from cwgrpo_utils import SMOLLM2, loading, presets, smollm2, tiny
+from cwgrpo_utils import SMOLLM2, loading, presets, prompts, smollm2, tiny
 from tests.support import ROLLOUT, ROOT, evaluate_as_printed
 
 # SmolLM2's chat template, its default system prompt renamed so that no other test has said it
@@ -48,9 +48,9 @@ def test_evaluate_prompts_with_its_system_prompt_and_never_mixes_samples_of_anot
     args = ["--model", str(tiny_run / "final-model"), "--benchmarks", str(bench)]
     args += ["--gold-format", "expr", "--n", "1", "--max-new-tokens", "6", "--output-dir", str(out)]
     seen = []
-    chat_prompt_ids = cwgrpo.chat_prompt_ids
+    chat_prompt_ids = prompts.chat_prompt_ids
     monkeypatch.setattr(
-        cwgrpo, "chat_prompt_ids", lambda t, q, s: seen.append(s) or chat_prompt_ids(t, q, s)
+        evaluate, "chat_prompt_ids", lambda t, q, s: seen.append(s) or chat_prompt_ids(t, q, s)
     )
     evaluate.main(evaluate.parse_config([*args, "--system-prompt", "Add."]))
     assert seen == ["Add.", "Add."]
@@ -104,7 +104,7 @@ def test_the_gguf_build_is_the_gguf_model_as_a_plain_llama(tmp_path):
     with torch.no_grad():
         assert torch.equal(built(ids).logits, original(ids).logits)
     tokenizer = loading.load_tokenizer(str(tmp_path / "model"))
-    prompt = cwgrpo.chat_prompt_ids(tokenizer, "What is 2 + 3?", "")
+    prompt = prompts.chat_prompt_ids(tokenizer, "What is 2 + 3?", "")
     assert tokenizer.decode(prompt).endswith(
         "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"
     )

@@ -14,6 +14,7 @@ import torch
 import cwgrpo
 from cwgrpo import Grader
 from cwgrpo_utils import cli, loading, plots, tiny
+from cwgrpo_utils.prompts import PromptStream
 from tests.support import ROOT, read_metrics, run_cli
 from tools import ablate, diagnose
 
@@ -131,7 +132,7 @@ def scored_rollout(tiny_run, tiny_base):
     model = loading.load_model(str(tiny_run / "final-model"), torch.float32, torch.device("cpu"))
     reference = loading.load_model(str(tiny_base / "model"), torch.float32, torch.device("cpu"))
     torch.manual_seed(0)
-    prompts = cwgrpo.PromptStream(tiny.arithmetic_dataset(0), tokenizer, cfg)
+    prompts = PromptStream(tiny.arithmetic_dataset(0), tokenizer, cfg)
     rollout = cwgrpo.sample(model, tokenizer, prompts.next_batch(4), cfg)
     grades = Grader().map([(t, g, "default") for t, g in zip(rollout.texts, rollout.golds)])
     cwgrpo.rollout_rewards(rollout, grades, cfg)

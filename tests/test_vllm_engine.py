@@ -20,6 +20,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 pytest.importorskip("vllm")
 import cwgrpo  # noqa: E402
 from cwgrpo_utils import loading, lora, tiny  # noqa: E402
+from cwgrpo_utils.prompts import chat_prompt_ids  # noqa: E402
 from cwgrpo_utils.vllm_engine import Engine  # noqa: E402
 from tests.support import ROOT, load_evaluate, processes_tagged, read_metrics  # noqa: E402
 from tools import diagnose  # noqa: E402
@@ -124,7 +125,7 @@ def assert_logprobs_are_the_trainers(model, out):
 
 def test_sampler_logprobs_match_the_trainers_and_total_length_holds_per_row(tiny_base):
     model, tokenizer = load(tiny_base / "model")
-    prompts = [cwgrpo.chat_prompt_ids(tokenizer, q, "") for q in ("1+2", "1+2" * 4)]
+    prompts = [chat_prompt_ids(tokenizer, q, "") for q in ("1+2", "1+2" * 4)]
     limit = len(prompts[1]) + 6
     engine = Engine(str(tiny_base / "model"), limit, 8, CPU, seed=0)
     torch.manual_seed(0)
@@ -148,7 +149,7 @@ def test_vllm_samples_softmax_over_temperature_whatever_the_generation_config(ti
     shipped |= {"do_sample": True, "temperature": 0.3}
     (folder / "generation_config.json").write_text(json.dumps(shipped))
     model, tokenizer = load(folder)
-    prompt = cwgrpo.chat_prompt_ids(tokenizer, "4+", "")
+    prompt = chat_prompt_ids(tokenizer, "4+", "")
     temperature = 1.5
     with torch.no_grad():
         probs = (model(input_ids=torch.tensor([prompt])).logits[0, -1] / temperature).softmax(-1)
@@ -240,7 +241,8 @@ def test_an_engine_that_takes_pushed_weights_refuses_to_sample_without_them(tiny
     model, tokenizer = load(tiny_base / "model")
     engine = Engine(str(tiny_base / "model"), 64, 2, CPU)
     with pytest.raises(ValueError, match="pass the model"):
-        engine.generate(None, [[1, 2]], 1, 1.0, 1.0, 0, [4], [tokenizer.eos_token_id], 0)
+        how = cwgrpo.Sampling(1, 1.0, top_p=1.0, top_k=0, max_new_tokens=4)
+        engine.generate(None, [[1, 2]], how, limits=[4], eos=[tokenizer.eos_token_id], pad=0)
 
 
 def test_gpu_check_runs_its_vllm_rows_at_tiny_shapes():

@@ -35,7 +35,7 @@ from cwgrpo_utils.run_folder import option_differences, read_records
 from tools import diagnose
 
 CWGRPO = Path(cwgrpo.__file__).resolve()
-CW_READINGS = (
+CW_READING_RUNS = (
     "grpo,cw,cw-detached=cw --cw-detach,cw-paper=cw --cw-reading paper,"
     "cw-gradient-only=cw --cw-reading gradient-only"
 )
@@ -75,7 +75,7 @@ class AblationConfig:
 def parse_methods(spec: str) -> dict[str, list[str]]:
     """label -> the cwgrpo.py options that make it; "all" and "cw-readings" stand for their lists
     (together, "all,cw-readings", GRPO and CW-GRPO run once)."""
-    groups = {"all": ",".join(cwgrpo.METHODS), "cw-readings": CW_READINGS}
+    groups = {"all": ",".join(cwgrpo.METHODS), "cw-readings": CW_READING_RUNS}
     entries = ",".join(groups.get(entry.strip(), entry) for entry in spec.split(","))
     runs = {}
     for entry in filter(None, (e.strip() for e in entries.split(","))):

@@ -34,7 +34,7 @@ import cwgrpo
 from cwgrpo_utils import BASES, checkpoints, loading, plots
 from cwgrpo_utils.cli import arg, parse_dataclasses
 from cwgrpo_utils.lm_head import squared_probability_mass
-from cwgrpo_utils.memory_plan import PlanOptions
+from cwgrpo_utils.prompts import PromptStream
 from cwgrpo_utils.run_folder import append_record, keep_records_until, read_records
 from cwgrpo_utils.vllm_engine import Engine
 
@@ -329,17 +329,15 @@ def batch(argv: list) -> Path | None:
     )
     autocast = loading.autocast(device)
     torch.manual_seed(cfg.seed)
-    prompts = cwgrpo.PromptStream(
-        loading.load_dataset(cfg.dataset, cfg.dataset_split, cfg.question_column, cfg.gold_column),
-        tokenizer,
-        cfg,
+    dataset = loading.load_dataset(
+        cfg.dataset, cfg.dataset_split, cfg.question_column, gold_column=cfg.gold_column
     )
-    vllm = (PlanOptions.of(cfg), device, cfg.vllm_gpu_memory_utilization, cfg.seed)
-    engine = Engine.for_run(cfg.model, *vllm) if cfg.rollout == "vllm" else None
+    prompts = PromptStream(dataset, tokenizer, cfg)
+    engine = Engine.for_run(cfg, device) if cfg.rollout == "vllm" else None
     grader = cwgrpo.Grader(cfg.reward_timeout_s, cfg.reward_workers)
     with autocast():
         batch_prompts = prompts.next_batch(cfg.prompts_per_step)
-        rollout = cwgrpo.sample(model, tokenizer, batch_prompts, cfg, engine)
+        rollout = cwgrpo.sample(model, tokenizer, batch_prompts, cfg=cfg, engine=engine)
         cwgrpo.rollout_rewards(
             rollout,
             grader.map([(t, g, "default") for t, g in zip(rollout.texts, rollout.golds)]),
