@@ -13,19 +13,12 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Literal
 
-from cwgrpo_utils import CPU_PRESETS, cli, trackers
+from cwgrpo_utils import CPU_PRESETS, OPEN_RS_SYSTEM_PROMPT, PRECISIONS, cli, trackers
 from cwgrpo_utils.cli import arg
 
 # 1. Config ----------------------------------------------------------------------------------------
-# The system prompt Open-RS trains with (the paper's training data).
-OPEN_RS_SYSTEM_PROMPT = (
-    "A conversation between User and Assistant. The user asks a question, and the Assistant solves "
-    "it. The assistant first thinks about the reasoning process in the mind and then provides the "
-    "user with the answer, and put your final answer within \\boxed{} . The reasoning process and "
-    "answer are enclosed within <think> </think> and <answer> </answer> tags, respectively, i.e., "
-    "<think> reasoning process here </think> <answer> answer here </answer>. Note that respond by "
-    "English, NOT use other languages."
-)
+# LoRA on every linear layer at 10x full fine-tuning's learning rate ("LoRA Without Regret")
+LORA = dict(lora_rank=32, learning_rate=1e-5)
 # Each recipe's values; the Config defaults are the paper's 1.5B one (docs/math.md, "Recipe")
 PRESETS = {
     "paper-1.5b": {},
@@ -35,19 +28,17 @@ PRESETS = {
     "qwen0.5b-24gb": dict(
         model="Qwen/Qwen2.5-0.5B-Instruct", max_completion_length=3072, rollout_chunk=4
     ),
-    # The paper's model and recipe on one 24 GB card: LoRA r 32 on every linear layer at 10x full
-    # fine-tuning's learning rate ("LoRA Without Regret"), 3,072 positions, 4 prompts at once
-    "paper-1.5b-lora-24gb": dict(
-        lora_rank=32, learning_rate=1e-5, max_completion_length=3072, rollout_chunk=4
-    ),
+    # The paper's model and recipe on one 24 GB card under LoRA: 3,072 positions, 4 prompts at once
+    "paper-1.5b-lora-24gb": {**LORA, "max_completion_length": 3072, "rollout_chunk": 4},
+    # ... on a free 16 GB T4 (fp16 by --precision auto): 1,536 positions, peak 12.8 of 14.7 GB
+    "paper-1.5b-lora-16gb": {**LORA, "max_completion_length": 1536, "rollout_chunk": 4},
     # Qwen2.5-Math-7B with the paper's 7B recipe on one 80 GB card, under the same LoRA
-    "paper-7b-lora-80gb": dict(
-        model="Qwen/Qwen2.5-Math-7B-Instruct",
-        format_weight=0.0,
-        steps=150,
-        lora_rank=32,
-        learning_rate=1e-5,
-    ),
+    "paper-7b-lora-80gb": {
+        **LORA,
+        "model": "Qwen/Qwen2.5-Math-7B-Instruct",
+        "format_weight": 0.0,
+        "steps": 150,
+    },
     # tiny, tiny-chain and smollm2-sums: toys and a small real model for the CPU (cwgrpo_utils)
     **CPU_PRESETS,
 }
@@ -134,7 +125,7 @@ class Config:
     dataset_split: str = arg("train", "split of a hub dataset")
     question_column: str = arg("problem", "column of the question")
     gold_column: str = arg("solution", "column of the reference solution (parsed by math-verify)")
-    system_prompt: str = arg(OPEN_RS_SYSTEM_PROMPT, "system message; empty: none of ours")
+    system_prompt: str = arg(OPEN_RS_SYSTEM_PROMPT, "system message (Open-RS's); empty: none")
     max_prompt_length: int = arg(512, "longer prompts are skipped (and counted)", "> 0")
     # Sampling (section 2)
     group_size: int = arg(12, "G, completions sampled per prompt", ">= 2")
@@ -183,6 +174,9 @@ class Config:
     warmup_ratio: float = arg(0.1, "share of steps with linear warmup", "in [0, 1]")
     weight_decay: float = arg(0.0, "AdamW weight decay", ">= 0")
     max_grad_norm: float = arg(1.0, "gradient clipping norm", "> 0")
+    max_skipped_steps: int = arg(
+        10, "stop after this many steps in a row skipped as not finite", "> 0"
+    )
     # Run and output
     steps: int = arg(300, "rollout batches to train on", "> 0")
     seed: int = arg(2025, "seed of data order and sampling", ">= 0")
@@ -199,6 +193,7 @@ class Config:
     gradient_checkpointing: bool = arg(True, "recompute activations in backward to save memory")
     logit_chunk_elements: int = arg(2**26, "logits the LM head holds at once", "> 0")
     device: str = arg("auto", "auto (cuda if present), cuda or cpu")
+    precision: Literal[PRECISIONS] = arg("auto", "auto: bf16 on CUDA 8.0+, fp16 on 7.x, CPU fp32")
     threads: int = arg(0, "CPU threads of torch; 0: torch's default", ">= 0")
     # Plumbing: the vLLM sampler, LoRA, trackers
     rollout: Literal["hf", "vllm"] = arg("hf", "sampler: hf (section 2's loop) or vllm")
@@ -266,17 +261,18 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 import transformers
 from latex2sympy2_extended import NormalizationConfig
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-from cwgrpo_utils import checkpoints, loading, lora, memory_plan, plots, presets, tiny, token_page
+from cwgrpo_utils import checkpoints, loading, lora, memory_plan, metrics, plots, presets, tiny
 from cwgrpo_utils.batch import Rows
 from cwgrpo_utils.grading_pool import CachedTimeoutPool, LogCounter
 from cwgrpo_utils.lm_head import chunked_logprobs, ict_divergence
+from cwgrpo_utils.precision import Precision, SkippedSteps
 from cwgrpo_utils.prompts import PromptStream
-from cwgrpo_utils.run_folder import Progress, RunFolder, update_metrics
+from cwgrpo_utils.run_folder import Progress, RunFolder
+from cwgrpo_utils.token_page import TokenPage
 from cwgrpo_utils.vllm_engine import Engine
 
 
@@ -327,13 +323,14 @@ def sample(model, tokenizer, batch: list[tuple[list[int], str]], cfg: Config, en
     samples from `model`'s weights."""
     model.eval()
     limit = cfg.max_completion_length
+    total = limit if cfg.length_limit == "total" else None  # prompt + completion within the limit
     how = Sampling(
-        n=cfg.group_size,
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
+        cfg.group_size,
+        cfg.temperature,
+        cfg.top_p,
         top_k=cfg.top_k,
         max_new_tokens=limit,
-        max_total=limit if cfg.length_limit == "total" else None,
+        max_total=total,
     )
     prompts = [ids for ids, _ in batch]
     rollout = generate_completions(
@@ -348,8 +345,14 @@ def sample(model, tokenizer, batch: list[tuple[list[int], str]], cfg: Config, en
 @torch.no_grad()
 def generate_completions(model, tokenizer, prompts, how: Sampling, chunk=0, engine=None):
     """how.n completions of each prompt as one Rollout. With chunk, that many prompts are sampled
-    at a time, which bounds the KV cache. With an engine, vLLM samples (model None: an engine
-    with weights of its own, evaluate.py's)."""
+    at a time, each chunk as if alone, which bounds the KV cache. With an engine, vLLM samples
+    (model None: an engine with weights of its own, evaluate.py's)."""
+    if chunk and engine is None and chunk < len(prompts):  # a KV cache of `chunk` prompts at once
+        parts = [
+            generate_completions(model, tokenizer, prompts[i : i + chunk], how)
+            for i in range(0, len(prompts), chunk)
+        ]
+        return Rollout.joined(parts, pad=tokenizer.pad_token_id)  # as if sampled in one batch
     eos = (model or engine).generation_config.eos_token_id  # the tokens a completion ends at
     eos = [eos] if isinstance(eos, int) else list(eos or []) or [tokenizer.eos_token_id]
     device = next(model.parameters()).device if model is not None else torch.device("cpu")
@@ -363,20 +366,11 @@ def generate_completions(model, tokenizer, prompts, how: Sampling, chunk=0, engi
     row_limits = torch.tensor(limits, device=device).repeat_interleave(how.n)  # (N,)
     if engine is not None:
         ids, logp = engine.generate(model, prompts, how, limits=limits, eos=eos, pad=pad)
-    else:  # section 2's loop, `chunk` prompts at a time (0: all), each chunk as if sampled alone
-        rows = how.n * (chunk or len(prompts))
-        parts = []
-        for i in range(0, len(prompt_ids), rows):
-            mask = prompt_mask[i : i + rows]
-            first = int(mask.any(0).nonzero()[0, 0])  # the chunk's own widest prompt starts here
-            steps = int(row_limits[i : i + rows].max())
-            ids = prompt_ids[i : i + rows, first:]
-            parts.append(
-                sample_tokens(model, ids, mask[:, first:], how=how, steps=steps, eos=eos, pad=pad)
-            )
-        width = max(ids.shape[1] for ids, _ in parts)  # right-padded into one (N, T) batch
-        ids = torch.cat([F.pad(ids, (0, width - ids.shape[1]), value=pad) for ids, _ in parts])
-        logp = torch.cat([F.pad(logp, (0, width - logp.shape[1])) for _, logp in parts])
+    else:  # section 2's token loop
+        steps = max(limits)
+        ids, logp = sample_tokens(
+            model, prompt_ids, prompt_mask, how=how, steps=steps, eos=eos, pad=pad
+        )
     ids = ids.to(device)  # (N, T), right-padded
     logp = logp.to(device)
     # each row's mask holds its tokens up to and including the first EOS within its limit
@@ -458,14 +452,8 @@ GOLD_EXTRACTION = {
     "latex": [LatexExtractionConfig()],
 }
 RELEASED_NORMALISATION = NormalizationConfig(basic_latex=True, units=True, boxed="all")  # rest off
-# The released reward's: no match without an anchor, \\boxed{} first, its normalisation
-PREDICTION_EXTRACTION = [
-    LatexExtractionConfig(
-        try_extract_without_anchor=False,
-        boxed_match_priority=0,
-        normalization_config=RELEASED_NORMALISATION,
-    )
-]
+# The released reward's: no match without an anchor (False), \\boxed{} first (priority 0)
+PREDICTION_EXTRACTION = [LatexExtractionConfig(False, 0, RELEASED_NORMALISATION)]
 
 
 def grade_accuracy(completion: str, gold: str, gold_format: str = "default") -> Grade:
@@ -520,12 +508,10 @@ def completion_logprobs(model, rollout: Rollout, cfg: Config):
     head = model.get_output_embeddings().weight  # (vocab, hidden)
     # = log_softmax(hidden @ head.T / T).gather(targets) and its entropy, a chunk of positions at
     # a time, never holding vocab x length logits (cwgrpo_utils/lm_head.py)
+    targets = rollout.completion_ids[valid]
+    chunk = cfg.logit_chunk_elements
     logp_valid, entropy_valid = chunked_logprobs(
-        hidden[valid],
-        head,
-        rollout.completion_ids[valid],
-        temperature=cfg.temperature,
-        chunk_elements=cfg.logit_chunk_elements,
+        hidden[valid], head, targets, temperature=cfg.temperature, chunk_elements=chunk
     )  # (valid tokens,) each
     logp = torch.zeros(valid.shape, device=hidden.device, dtype=logp_valid.dtype)  # (N, T)
     entropy = torch.zeros_like(logp)
@@ -588,20 +574,7 @@ def rollout_rewards(rollout: Rollout, grades: list[Grade], cfg: Config) -> dict:
     rollout.accuracy = accuracy
     advantages = group_advantages(rollout.rewards, cfg.group_size)
     rollout.advantages = advantages.to(rollout.completion_ids.device)
-    group_std = rollout.rewards.view(-1, cfg.group_size).std(1)
-    metrics = {
-        "reward_mean": rollout.rewards.mean().item(),
-        "reward_std": rollout.rewards.std().item(),
-        "accuracy_mean": accuracy.mean().item(),
-        "format_mean": formats.mean().item(),
-        "frac_zero_std_groups": (group_std == 0).float().mean().item(),
-        "completion_len_mean": rollout.completion_mask.sum(1).mean().item(),
-        "truncated_frac": rollout.truncated.float().mean().item(),
-        "gold_unparseable": sum(not g.gold_parsed for g in grades),
-        "grading_timeouts": sum(g.timed_out for g in grades),
-    }
-    plots.warn_of_grading_problems(metrics)  # each scored 0: said once, summed at the end
-    return metrics
+    return metrics.rollout_metrics(rollout, formats, grades, group_size=cfg.group_size)
 
 
 # 6. The methods: how each one changes the per-token loss (docs/math.md, "Methods") --------------
@@ -803,16 +776,6 @@ def stapo(group: Group, cfg: Config) -> TokenTerms:
     return TokenTerms(renormalised(group.mask * ~spurious, group.mask))
 
 
-def touched_tokens(terms: TokenTerms) -> torch.Tensor:
-    """Tokens whose loss the method changed: weighted other than 1, outside the pass, penalised."""
-    touched = terms.pg_weight.detach() != 1
-    if terms.active is not None:
-        touched |= terms.active == 0
-    if terms.extra is not None:
-        touched |= terms.extra.detach() != 0
-    return touched
-
-
 @torch.no_grad()
 def every_methods_weights(model, rows: Rollout, cfg: Config) -> dict:
     """What every method's every update pass makes of the same scored rows, side by side (the
@@ -820,23 +783,16 @@ def every_methods_weights(model, rows: Rollout, cfg: Config) -> dict:
     and each token's log-prob and covariance score (cw step 3); each (rows, T)."""
     stats = policy_token_stats(model, rows, cfg, divergence=True)
     logp = stats["logp"]
-    valid_entropy = stats["entropy"][rows.completion_mask.bool()]
-    rows = dataclasses.replace(
-        rows, divergence=stats["divergence"], batch_entropy=valid_entropy.sort().values
-    )
+    entropy = stats["entropy"]
+    batch_entropy = entropy[rows.completion_mask.bool()].sort().values
+    rows = dataclasses.replace(rows, divergence=stats["divergence"], batch_entropy=batch_entropy)
     out = {"logp": logp, "cov": covariance_score(logp, rows.advantages, rows.completion_mask)}
     for name, method in METHODS.items():
         for update_pass in range(method.update_passes):
-            terms = micro_batch_terms(
-                logp,
-                logp,
-                stats["entropy"],
-                rollout=rows,
-                cfg=dataclasses.replace(cfg, method=name),
-                update_pass=update_pass,
-            )
+            one = dataclasses.replace(cfg, method=name)
+            terms = micro_batch_terms(logp, logp, entropy, rows, cfg=one, update_pass=update_pass)
             active = 1 if terms.active is None else terms.active
-            out[name, update_pass] = (terms.pg_weight * active, touched_tokens(terms))
+            out[name, update_pass] = (terms.pg_weight * active, metrics.touched_tokens(terms))
     return out
 
 
@@ -911,31 +867,10 @@ def micro_batch_terms(logp, old_logp, entropy, rollout: Rollout, cfg: Config, up
     return TokenTerms(pg_weight, extra, active)
 
 
-def token_metrics(part: Rollout, logp, old_logp, entropy, terms: TokenTerms, cfg) -> dict:
-    """Per valid token of a micro-batch, what an update's metrics average (run_folder's
-    update_metrics): entropy, KL, clipping, the method's weights, and the trainer's log-prob l
-    against the sampler's s."""
-    active = torch.ones_like(logp) if terms.active is None else terms.active
-    kl = torch.zeros_like(logp) if part.ref_logp is None else k3(logp, part.ref_logp)
-    clipped = ppo_clipped(torch.exp(logp - old_logp), part.advantages, cfg)
-    w = terms.pg_weight.detach()
-    log_r = old_logp - part.sampler_logp
-    per_token = {
-        "entropy": entropy,
-        "kl": kl,
-        "clipped": clipped & METHODS[cfg.method].clip,
-        "w": w,
-        "touched": touched_tokens(terms),
-        "pg_on": (w != 0) & (active != 0),
-        "sampler_diff": log_r.abs(),
-        "r": log_r.exp(),
-    }
-    return {name: values[part.completion_mask.bool()].float() for name, values in per_token.items()}
-
-
-def accumulate_gradients(model, rollout: Rollout, cfg: Config, autocast, update_pass: int = 0):
-    """The step's loss, micro-batch by micro-batch, each one's gradient summed into .grad: the
-    loss, and each micro-batch's per-token values for the metrics."""
+def accumulate_gradients(model, rollout: Rollout, cfg, autocast, update_pass: int = 0, scaler=None):
+    """The step's loss, micro-batch by micro-batch, each one's gradient summed into .grad (scaled
+    by fp16's loss scaler, if given): the loss, and each micro-batch's per-token values for the
+    metrics."""
     model.train()
     clip = METHODS[cfg.method].clip
     n_responses = len(rollout.texts)
@@ -960,24 +895,28 @@ def accumulate_gradients(model, rollout: Rollout, cfg: Config, autocast, update_
             loss = aggregate(
                 per_token, mask, cfg.loss_aggregation, n_responses=n_responses, n_tokens=n_tokens
             )
-        loss.backward()
+        scaled = loss if scaler is None else scaler.scale(loss)  # fp16: no gradient underflows
+        scaled.backward()
         total_loss += loss.item()
-        metrics = token_metrics(part, logp.detach(), old_logp, entropy, terms=terms, cfg=cfg)
-        token_values.append(metrics)
+        logp = logp.detach()
+        kl = None if part.ref_logp is None else k3(logp, part.ref_logp)
+        clipped = ppo_clipped(torch.exp(logp - old_logp), part.advantages, cfg) & clip
+        values = metrics.token_values(part, entropy, old_logp, kl=kl, clipped=clipped, terms=terms)
+        token_values.append(values)
     return total_loss, token_values
 
 
 # 8. The training loop ---------------------------------------------------------------------------
-def training_loop(cfg, model, reference, tokenizer, prompts, grader, engine, run, hooks):
+def training_loop(cfg, model, reference, tokenizer, prompts, grader, engine, run, hooks, precision):
     """The paper's algorithm, step after step, each step's phases in the order they run."""
-    device = next(model.parameters()).device
     method = METHODS[cfg.method]
     updates = cfg.num_iterations * method.update_passes  # optimizer steps per rollout batch
     # AdamW over what is trained (all, or LoRA's adapter); fused on CUDA: one kernel, no foreach
     # temporaries. The learning rate warms up linearly, then decays to min_lr_ratio x its peak.
     trained = [p for p in model.parameters() if p.requires_grad]
+    fused = precision.device.type == "cuda"
     optimizer = torch.optim.AdamW(
-        trained, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, fused=device.type == "cuda"
+        trained, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, fused=fused
     )
     scheduler = transformers.get_cosine_with_min_lr_schedule_with_warmup(
         optimizer,
@@ -985,48 +924,66 @@ def training_loop(cfg, model, reference, tokenizer, prompts, grader, engine, run
         num_training_steps=cfg.steps * updates,
         min_lr_rate=cfg.min_lr_ratio,
     )
+    scaler = precision.scaler()  # fp16's loss scaler; in any other precision, one doing nothing
+    skipped = SkippedSteps(cfg.max_skipped_steps)  # steps whose gradient was not finite
+    stateful = dict(optimizer=optimizer, scheduler=scheduler, scaler=scaler, skipped=skipped)
     start_step = 0
-    if run.resume_from is not None:  # the checkpoint's optimizer, schedule, RNG, data position
-        state = checkpoints.restore(run.resume_from, optimizer, scheduler)
+    if run.resume_from is not None:  # the checkpoint's optimizer, schedule, ..., data position
+        state = checkpoints.restore(run.resume_from, stateful)
         start_step = state["step"]
         prompts.position = state["data_position"]
     else:  # TRY NOT TO MODIFY: seeding
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
-    autocast = loading.autocast(device)  # bf16 compute on CUDA over fp32 master weights
+    memory = memory_plan.OutOfMemory(cfg.model, memory_plan.PlanOptions.of(cfg), run.path)
     progress = Progress(start_step, cfg.steps, label=cfg.method, every=cfg.log_every)
     for step in range(start_step, cfg.steps):
         rollout_started = time.perf_counter()
-        with autocast():
+        with precision.autocast():
             # 1. Sample G completions of each of the step's prompts (section 2)
             batch = prompts.next_batch(cfg.prompts_per_step)
-            rollout = sample(model, tokenizer, batch, cfg=cfg, engine=engine)
+            with memory.phase("sampling", step + 1):
+                rollout = sample(model, tokenizer, batch, cfg=cfg, engine=engine)
             # 2. Grade them (section 3): the workers grade while the passes below run
             grades = grader.submit(
                 [(t, gold, "default") for t, gold in zip(rollout.texts, rollout.golds)]
             )
             # 3. The old and the reference log-probs, where the update needs them (section 4)
-            old_and_reference_logprobs(model, reference, rollout, cfg)
+            with memory.phase("the log-prob passes", step + 1):
+                old_and_reference_logprobs(model, reference, rollout, cfg)
             # 4. Rewards, and each response's advantage within its group (section 5)
             scores = rollout_rewards(rollout, grades.result(), cfg)
         rollout_s = time.perf_counter() - rollout_started
         for hook in hooks:  # tokens.html at the first and last steps, and the tools' measurements
-            hook(step=step + 1, model=model, rollout=rollout, autocast=autocast)
+            hook(step=step + 1, model=model, rollout=rollout, autocast=precision.autocast)
         for update_index in range(updates):
             update_started = time.perf_counter()
             update_pass = update_index % method.update_passes  # lopti: low-probability tokens first
             # 5-6. Per micro-batch: the method's token weights and the loss (sections 6, 7), and
             # its backward pass, the gradients summed over the step's micro-batches
-            loss, token_values = accumulate_gradients(
-                model, rollout, cfg, autocast=autocast, update_pass=update_pass
-            )
-            # 7. Clip the gradient's norm
+            with memory.phase("the update", step + 1):
+                loss, token_values = accumulate_gradients(
+                    model,
+                    rollout,
+                    cfg,
+                    autocast=precision.autocast,
+                    update_pass=update_pass,
+                    scaler=scaler,
+                )
+            # 7. Clip the gradient's norm (under fp16, unscaled first)
+            scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(trained, cfg.max_grad_norm)
-            # 8. AdamW, then the schedule's next learning rate
+            # 8. AdamW, then the schedule's next learning rate; unless the gradient is not finite
+            # (fp16's overflow, or a NaN): then nothing changes, and the step counts as skipped
             lr = scheduler.get_last_lr()[0]
-            optimizer.step()
-            scheduler.step()
+            finite = bool(torch.isfinite(grad_norm))
+            with memory.phase("the optimizer step", step + 1):
+                if finite:
+                    scaler.step(optimizer)  # optimizer.step(), but in fp16 the scaler's check
+                    scheduler.step()
+            scaler.update()  # fp16: the loss scale halves after an overflow
             optimizer.zero_grad(set_to_none=True)
+            skipped.count(finite)
             # 9. Log: a metrics.jsonl line per optimizer step
             update_s = time.perf_counter() - update_started
             record = {
@@ -1034,22 +991,22 @@ def training_loop(cfg, model, reference, tokenizer, prompts, grader, engine, run
                 "rollout_step": step + 1,
                 "update_pass": update_pass,
                 **scores,
-                **update_metrics(token_values, loss, grad_norm=grad_norm.item(), lr=lr),
+                **metrics.update_metrics(token_values, loss, grad_norm=grad_norm.item(), lr=lr),
+                "skipped_steps": skipped.total,
                 "prompts_skipped": prompts.skipped,
                 "rollout_s": rollout_s,
                 "update_s": update_s,
                 "time": time.time(),
                 "tokens_per_s": rollout.completion_mask.sum().item() / (rollout_s + update_s),
             }
+            if scaler.is_enabled():
+                record["loss_scale"] = scaler.get_scale()
             run.log(record)
-        progress.step(
-            reward=f"{record['reward_mean']:.3f}", entropy=f"{record['entropy_mean']:.3f}"
-        )
+            skipped.stop_if_too_many(run, record)
+        progress.step(record)  # reward, entropy and skipped steps: a bar, or a line a few steps
         # 9. ... and save: every --save-every steps, after the last, and after Ctrl-C or SIGTERM
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps or run.stop.requested:
-            state = checkpoints.trainer_state(
-                optimizer, scheduler, step + 1, data_position=prompts.position
-            )
+            state = checkpoints.trainer_state(stateful, step + 1, data_position=prompts.position)
             run.save(step + 1, model, tokenizer, state)
             plots.draw_curves(run.path, f"{cfg.method} on {cfg.model}, seed {cfg.seed}")
         run.stop_if_requested(step + 1)  # after a Ctrl-C or SIGTERM: with the checkpoint just saved
@@ -1063,16 +1020,20 @@ def train(cfg: Config, on_rollout: Callable | None = None) -> Path:
     a hook for the tools (tools/diagnose.py), sees each scored rollout batch before the update."""
     start = time.perf_counter()
     device = loading.resolve_device(cfg.device, "" if cfg.preset in CPU_PRESETS else cfg.preset)
+    precision = Precision.choose(cfg.precision, device)  # by the card: bf16, fp16 on 7.x, fp32
     torch.set_num_threads(cfg.threads or torch.get_num_threads())
-    print(plots.run_header(cfg), flush=True)
+    print(plots.run_header(cfg, precision.reason), flush=True)
     plots.pyplot()  # fail now, not at the first checkpoint, if matplotlib is missing
     # locked against a second run, Ctrl-C a stop after the step, a resume's checkpoint checked
     with RunFolder.for_run(cfg) as run:
         cfg = dataclasses.replace(cfg, model=presets.ready(cfg.model, cfg.dataset))  # CPU presets
         if device.type == "cuda":  # before anything loads: a run that cannot fit stops here
             free, total = torch.cuda.mem_get_info()
+            recipes = {n: Config(preset=n, **v) for n, v in PRESETS.items() if n not in CPU_PRESETS}
             plan = memory_plan.PlanOptions.of(cfg)
-            memory_plan.check_fit(cfg.model, plan, free_bytes=free, total_bytes=total)
+            memory_plan.check_fit(
+                cfg.model, plan, free_bytes=free, total_bytes=total, recipes=recipes
+            )
         loading.check_model_path(cfg.model)
         if run.finished(cfg.steps):
             return run.path
@@ -1080,17 +1041,21 @@ def train(cfg: Config, on_rollout: Callable | None = None) -> Path:
             cfg.dataset, cfg.dataset_split, cfg.question_column, gold_column=cfg.gold_column
         )
         with Grader(cfg.reward_timeout_s, cfg.reward_workers) as grader:
-            run.start(torch_threads=torch.get_num_threads(), reward_workers_used=grader.size)
+            run.start(
+                torch_threads=torch.get_num_threads(),
+                reward_workers_used=grader.size,
+                precision_used=precision.reason,
+            )
             weights = str(run.resume_from or cfg.model)
             print(f"loading {cli.shown_path(weights)} ...", flush=True)
             tokenizer = loading.load_tokenizer(weights)
             prompts = PromptStream(dataset, tokenizer, cfg)
-            model = loading.load_policy(cfg, run.resume_from, device)  # fp32, or a base + LoRA
+            model = loading.load_policy(cfg, run.resume_from, precision)  # fp32, or base + LoRA
             frozen_copy = cfg.beta > 0 and not cfg.lora_rank  # LoRA's reference: the base itself
-            reference = loading.load_reference(cfg.model, device) if frozen_copy else None
-            engine = Engine.for_run(cfg, device) if cfg.rollout == "vllm" else None
+            reference = loading.load_reference(cfg.model, precision) if frozen_copy else None
+            engine = Engine.for_run(cfg, precision) if cfg.rollout == "vllm" else None
             weigh = functools.partial(every_methods_weights, cfg=cfg)
-            page = token_page.TokenPage(run, cfg, tokenizer, methods=METHODS, weigh=weigh)
+            page = TokenPage(run, cfg, tokenizer, methods=METHODS, weigh=weigh)
             training_loop(
                 cfg,
                 model,
@@ -1101,6 +1066,7 @@ def train(cfg: Config, on_rollout: Callable | None = None) -> Path:
                 engine=engine,
                 run=run,
                 hooks=[page] if on_rollout is None else [page, on_rollout],
+                precision=precision,
             )
     print(plots.run_summary(run.path, time.perf_counter() - start, cfg.preset))
     return run.path

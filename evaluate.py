@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import Literal
 
+from cwgrpo_utils import PRECISIONS
 from cwgrpo_utils.cli import arg, check, check_ranges, parse_dataclasses, require
 
 BENCHMARK_NAMES = ("aime24", "math500", "amc23", "minerva", "olympiadbench")
@@ -52,6 +53,9 @@ class EvalConfig:
     reward_timeout_s: float = arg(10.0, "hard limit on grading one completion", "> 0")
     reward_workers: int = arg(0, "grading processes; 0: one per CPU core, at most 8", ">= 0")
     device: str = arg("auto", "auto (cuda if present), cuda or cpu")
+    precision: Literal[PRECISIONS] = arg(
+        "auto", "the model's dtype: auto is bf16 on CUDA 8.0+, fp16 on 7.x, fp32 on a CPU"
+    )
     engine: Literal["hf", "vllm"] = arg("hf", "sampler: hf (cwgrpo.py's loop) or vllm, alike")
     vllm_gpu_memory_utilization: float = arg(0.9, "--engine vllm on CUDA: its share", "in (0, 1]")
     overwrite: bool = arg(False, "recompute benchmarks whose samples were made otherwise")
@@ -91,6 +95,7 @@ from tqdm import tqdm
 import cwgrpo
 from cwgrpo_utils import loading, plots, presets
 from cwgrpo_utils.checkpoints import checkpoint_step
+from cwgrpo_utils.precision import Precision
 from cwgrpo_utils.prompts import chat_prompt_ids
 from cwgrpo_utils.vllm_engine import Engine
 
@@ -160,7 +165,7 @@ def load_benchmark(name: str, cfg: EvalConfig) -> tuple[str, Benchmark, list[tup
 def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path) -> dict:
     """Samples and grades every benchmark; finished problems are kept in <benchmark>.jsonl, so a
     rerun after a crash only generates what is missing."""
-    device = loading.resolve_device(cfg.device)
+    precision = Precision.choose(cfg.precision, loading.resolve_device(cfg.device))
     n = 1 if cfg.protocol == "paper" else cfg.n
     benchmarks = [
         load_benchmark(name.strip(), cfg) for name in cfg.benchmarks.split(",") if name.strip()
@@ -177,7 +182,7 @@ def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path) -> dict:
         for _, _, problems in benchmarks
     ]
     longest = max((len(prompt) for prompts in prompts_of for prompt in prompts), default=0)
-    generate = sampler(model_path, tokenizer, cfg, device, n, longest)
+    generate = sampler(model_path, tokenizer, cfg, precision, n=n, longest_prompt=longest)
     output_dir.mkdir(parents=True, exist_ok=True)  # once the benchmarks and the model have loaded
     grader = cwgrpo.Grader(cfg.reward_timeout_s, cfg.reward_workers)
     results = {}
@@ -197,6 +202,7 @@ def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path) -> dict:
             "seed": cfg.seed,
             "limit": cfg.limit,
             "engine": cfg.engine,
+            "precision": precision.name,
         }
         done = finished_problems(progress_path, settings, cfg.overwrite)
         todo = sorted(
@@ -239,22 +245,22 @@ def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path) -> dict:
     return results
 
 
-def sampler(model_path: str, tokenizer, cfg: EvalConfig, device, n: int, longest_prompt: int):
-    """generate(prompts, how) by the --engine: cwgrpo.py's loop over the model, or a vLLM engine
-    with the model's weights, which holds the longest prompt of the benchmarks plus
-    --max-new-tokens."""
+def sampler(model_path: str, tokenizer, cfg: EvalConfig, precision, n: int, longest_prompt: int):
+    """generate(prompts, how) by the --engine: cwgrpo.py's loop over the model held in the
+    precision's dtype, or a vLLM engine in it with the model's weights, which holds the longest
+    prompt of the benchmarks plus --max-new-tokens."""
     if cfg.engine == "hf":
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        model = loading.load_model(model_path, dtype, device).eval()
+        model = loading.load_model(model_path, precision.dtype, precision.device).eval()
         return functools.partial(cwgrpo.generate_completions, model, tokenizer)
     engine = Engine(
         model_path,
         max_model_len=longest_prompt + cfg.max_new_tokens,
         rows=cfg.batch_size * n,
-        device=device,
+        device=precision.device,
         gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
         seed=cfg.seed,
         pushed_weights=False,
+        dtype=precision.vllm_dtype,
     )
     return functools.partial(cwgrpo.generate_completions, None, tokenizer, engine=engine)
 

@@ -9,6 +9,7 @@ import doctest
 import json
 import logging
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -18,13 +19,15 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import cwgrpo
 from cwgrpo import Grader, cw_weights, format_reward, grade_accuracy, group_advantages
-from cwgrpo_utils import loading, presets, tiny
+from cwgrpo_utils import checkpoints, loading, presets, tiny
 from cwgrpo_utils.grading_pool import LogCounter
+from cwgrpo_utils.metrics import update_metrics
+from cwgrpo_utils.precision import Precision
 from cwgrpo_utils.prompts import PromptStream, chat_prompt_ids
-from cwgrpo_utils.run_folder import update_metrics
 from tests.support import ROOT, SMALL_SHAPE
 
 CPU = torch.device("cpu")
+FP32 = Precision.choose("auto", CPU)  # what a run on the CPU computes in
 
 
 @pytest.fixture(autouse=True)
@@ -321,7 +324,7 @@ def test_gradient_does_not_depend_on_micro_batching(tiny_model, method):
             len(rollout.texts), generator=torch.Generator().manual_seed(1)
         )
         model.zero_grad()  # the step's gradient, micro-batch by micro-batch as the run takes it
-        cwgrpo.accumulate_gradients(model, rollout, cfg, autocast=loading.autocast(CPU))
+        cwgrpo.accumulate_gradients(model, rollout, cfg, autocast=FP32.autocast)
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     model.zero_grad()
     assert grads[0].abs().sum() > 0
@@ -1011,7 +1014,7 @@ def test_the_logged_mismatch_is_the_sampler_against_the_trainer(tiny_base):
     rollout = cwgrpo.sample(model, tokenizer, prompts.next_batch(2), cfg)
     grades = [cwgrpo.Grade(float(i % 2), True, False) for i in range(len(rollout.texts))]
     cwgrpo.rollout_rewards(rollout, grades, cfg)
-    autocast = loading.autocast(CPU)
+    autocast = FP32.autocast
 
     def update() -> dict:  # the update's metrics, what a step logs
         loss, token_values = cwgrpo.accumulate_gradients(model, rollout, cfg, autocast=autocast)
@@ -1027,3 +1030,127 @@ def test_the_logged_mismatch_is_the_sampler_against_the_trainer(tiny_base):
     assert shifted["sampler_logp_diff_max"] == pytest.approx(0.1, abs=1e-5)
     for stat in ("min", "mean", "max"):
         assert shifted[f"sampler_ratio_{stat}"] == pytest.approx(math.exp(0.1), abs=1e-5)
+
+
+# ------------------------------------------------------------ precision, and the step's guard
+@pytest.mark.parametrize(
+    "capability,chosen",
+    [((7, 0), "fp16"), ((7, 5), "fp16"), ((8, 0), "bf16"), ((8, 6), "bf16"), ((9, 0), "bf16")],
+)
+def test_auto_precision_follows_the_compute_capability_not_is_bf16_supported(capability, chosen):
+    cuda = torch.device("cuda")  # no GPU needed: the card's name and capability are given
+    precision = Precision.choose("auto", cuda, capability=capability, card="Tesla T4")
+    assert precision.name == chosen
+    assert precision.reason == (
+        f"{chosen}: Tesla T4 has {'no bf16' if chosen == 'fp16' else 'bf16'} "
+        f"(compute capability {capability[0]}.{capability[1]})"
+    )
+    assert precision.vllm_dtype == {"fp16": "half", "bf16": "bfloat16"}[chosen]
+    asked = Precision.choose("bf16", cuda, capability=capability, card="Tesla T4")
+    assert asked.name == "bf16" and ("emulated" in asked.reason) is (capability < (8, 0))
+
+
+def test_a_card_below_compute_capability_7_is_one_line_naming_it():
+    with pytest.raises(SystemExit) as stop:
+        Precision.choose("auto", torch.device("cuda"), capability=(6, 0), card="Tesla P100")
+    assert str(stop.value).startswith(
+        "error: Tesla P100 (compute capability 6.0) has no kernels in current PyTorch wheels"
+    )
+    assert "\n" not in str(stop.value)
+
+
+def test_on_the_cpu_auto_is_fp32_and_an_explicit_half_precision_autocasts():
+    assert Precision.choose("auto", CPU).name == "fp32" and not FP32.scaler().is_enabled()
+    fp16 = Precision.choose("fp16", CPU)
+    assert fp16.scaler().is_enabled() and fp16.dtype == torch.float16  # the loss scaler: fp16's
+    with fp16.autocast():
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.float16
+    with FP32.autocast():
+        assert not torch.is_autocast_enabled("cpu")
+
+
+def test_the_lm_head_stays_finite_in_fp16_at_qwens_vocabulary():
+    """fp16 hidden states through a 151,936-token head: the log-softmax and entropy computed in
+    fp32 (no sum over the vocabulary in fp16), forward and backward finite and close to fp32's."""
+    g = torch.Generator().manual_seed(0)
+    hidden = (3 * torch.randn(6, 64, generator=g)).half().requires_grad_(True)
+    weight = (0.05 * torch.randn(151_936, 64, generator=g)).requires_grad_(True)
+    targets = torch.randint(0, 151_936, (6,), generator=g)
+    with torch.autocast("cpu", dtype=torch.float16):
+        logp, entropy = cwgrpo.chunked_logprobs(hidden, weight, targets, 0.7, 2**20)
+    assert logp.dtype == entropy.dtype == torch.float32
+    (logp.sum() * 1024).backward()  # a loss scale's worth of gradient
+    assert torch.isfinite(hidden.grad).all() and torch.isfinite(weight.grad).all()
+    direct = (hidden.float() @ weight.detach().T / 0.7).log_softmax(-1)
+    expected = direct.gather(-1, targets[:, None]).squeeze(-1)
+    torch.testing.assert_close(logp.detach(), expected.detach(), rtol=0, atol=0.05)
+
+
+def test_under_fp16_the_log_probs_ratios_k3_and_weights_are_fp32(tiny_model):
+    model, tokenizer = tiny_model
+    cfg = cwgrpo.parse_config(["--preset", "tiny", "--max-completion-length", "6"])
+    batch = [(chat_prompt_ids(tokenizer, "1+2", ""), "\\boxed{3}")]
+    with Precision.choose("fp16", CPU).autocast():
+        rollout = cwgrpo.sample(model, tokenizer, batch, cfg=cfg)
+        logp, _, hidden = cwgrpo.completion_logprobs(model, rollout, cfg)
+        mask = rollout.completion_mask
+        weights = cw_weights(logp, torch.randn(cfg.group_size), mask)
+        loss = cwgrpo.token_loss(
+            logp,
+            logp.detach(),
+            logp.detach() - 0.1,
+            torch.randn(8),
+            cwgrpo.TokenTerms(weights),
+            cfg,
+        )
+    assert {logp.dtype, weights.dtype, loss.dtype} == {torch.float32}
+    assert torch.isfinite(loss).all()
+
+
+def test_skipped_steps_are_counted_in_a_row_and_too_many_stop_the_run(tmp_path):
+    skipped = cwgrpo.SkippedSteps(limit=2)
+    run = type("Run", (), {"path": tmp_path})()
+    record = {"step": 7, "loss": math.nan, "grad_norm": math.inf}
+    for finite in (False, True, False):
+        skipped.count(finite)
+        skipped.stop_if_too_many(run, record)  # never two in a row
+    assert (skipped.total, skipped.in_a_row) == (2, 1)
+    skipped.count(False)
+    with pytest.raises(SystemExit) as stop:
+        skipped.stop_if_too_many(run, record)
+    assert str(stop.value).startswith(
+        "error: 2 optimizer steps in a row had a non-finite gradient (the last, step 7: loss nan, "
+        "grad norm inf) and changed nothing, so the run stops (--max-skipped-steps 2); no "
+        "checkpoint was written yet"
+    )
+    again = cwgrpo.SkippedSteps(limit=2)
+    again.load_state_dict(skipped.state_dict())
+    assert (again.total, again.in_a_row) == (3, 2)
+
+
+class Poison:
+    """A pickle whose loading runs a command (here: touching a file)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("name", ["trainer_state.pt", "optimizer.pt"])
+def test_a_pickled_object_in_a_checkpoint_is_refused_in_one_line_and_never_runs(name, tmp_path):
+    checkpoint, marker = tmp_path / "checkpoint-2", tmp_path / "ran"
+    checkpoint.mkdir()
+    torch.save({"step": 2, "scheduler": {}, "rng": {}}, checkpoint / "trainer_state.pt")
+    torch.save({"state": {}, "param_groups": []}, checkpoint / "optimizer.pt")
+    torch.save({"step": Poison(marker)}, checkpoint / name)
+    with pytest.raises(SystemExit) as refused:
+        checkpoints.load_trainer_state(checkpoint)
+    assert not marker.exists()  # nothing in the file ran
+    message = str(refused.value)
+    assert message.startswith(f"error: {checkpoint / name} holds a pickled posix.system")
+    assert "\n" not in message
+    assert "it was not loaded; resume only from checkpoints you wrote" in message
+    torch.load(checkpoint / name, weights_only=False)  # what an unsafe load would have done
+    assert marker.exists()

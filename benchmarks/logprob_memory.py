@@ -97,7 +97,7 @@ def main() -> None:
                 ],
                 check=True,
             )
-            results[path] = torch.load(out)
+            results[path] = torch.load(out, weights_only=True)  # tensors and numbers only
             print(
                 f"{path:8s} peak +{results[path]['peak_mib']:8.0f} MiB   "
                 f"{results[path]['seconds']:6.2f} s"

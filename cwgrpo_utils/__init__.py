@@ -15,8 +15,8 @@ Each module knows nothing of cwgrpo and never imports it (as cleanRL keeps clean
 - presets: the CPU presets made ready on first use, and the benchmark each is evaluated on
 - vllm_engine: the optional vLLM sampler
 
-This file holds the constants cwgrpo.py reads before it imports torch: the clone's folders and
-the CPU presets' option values.
+This file holds the constants cwgrpo.py reads before it imports torch: the clone's folders, the
+CPU presets' option values and Open-RS's system prompt.
 """
 
 from pathlib import Path
@@ -27,6 +27,16 @@ BASES = {
     name: REPOSITORY / "runs" / f"{name}-base" for name in ("tiny", "tiny-chain", "smollm2-sums")
 }
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"  # smollm2-sums's model, on the hub
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")  # --precision's choices (precision.py)
+# The system prompt Open-RS trains with (the paper's training data)
+OPEN_RS_SYSTEM_PROMPT = (
+    "A conversation between User and Assistant. The user asks a question, and the Assistant solves "
+    "it. The assistant first thinks about the reasoning process in the mind and then provides the "
+    "user with the answer, and put your final answer within \\boxed{} . The reasoning process and "
+    "answer are enclosed within <think> </think> and <answer> </answer> tags, respectively, i.e., "
+    "<think> reasoning process here </think> <answer> answer here </answer>. Note that respond by "
+    "English, NOT use other languages."
+)
 
 # What the CPU presets share: no system prompt (the toys' template has none), 8 prompts x G = 8 in
 # one micro-batch, new tokens counted alone, a short warmup, no activation checkpointing, seed 0

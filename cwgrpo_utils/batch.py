@@ -4,12 +4,38 @@ columns trimmed, and micro-batches of whole groups of consecutive rows."""
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 
 
 class Rows:
     """For a dataclass whose tensors have one row per completion: prompt_ids and prompt_mask
     (N, P) left-padded, completion_mask and every other 2-D tensor (N, T) right-padded, 1-D tensors
     and lists (N,); batch_entropy, a whole batch's, is never sliced."""
+
+    @classmethod
+    def joined(cls, parts: list, pad: int):
+        """The parts' rows, in order, as one batch: the prompts left-padded to the widest (ids
+        with `pad`, mask 0), the per-token tensors right-padded to the longest (completion_ids
+        with `pad`, the rest with 0)."""
+        out = {}
+        for f in dataclasses.fields(cls):
+            values = [getattr(part, f.name) for part in parts]
+            if values[0] is None:
+                out[f.name] = None
+            elif isinstance(values[0], list):
+                out[f.name] = [item for value in values for item in value]
+            elif values[0].dim() == 1:
+                out[f.name] = torch.cat(values)
+            else:
+                width = max(value.shape[1] for value in values)
+                fill = pad if f.name in ("prompt_ids", "completion_ids") else 0
+                left = f.name in ("prompt_ids", "prompt_mask")
+                sides = [
+                    (width - v.shape[1], 0) if left else (0, width - v.shape[1]) for v in values
+                ]
+                padded = [F.pad(v, side, value=fill) for v, side in zip(values, sides)]
+                out[f.name] = torch.cat(padded)
+        return cls(**out)
 
     def select(self, start: int, stop: int):
         """Rows [start, stop), with their all-padding columns trimmed off."""

@@ -8,6 +8,7 @@ keeps: a resume needs no older one, evaluation needs only weights.
 
 import contextlib
 import os
+import pickle
 import random
 import re
 import shutil
@@ -90,18 +91,22 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
     return max(resumable, key=checkpoint_step) if resumable else None
 
 
-def trainer_state(optimizer, scheduler, step: int, **more) -> dict:
-    """What a resume needs beyond the weights: the optimizer's and the schedule's states, the RNG
-    states, the step, and `more` (the data position, say)."""
-    state = dict(optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict())
+def trainer_state(stateful: dict, step: int, **more) -> dict:
+    """What a resume needs beyond the weights: the state_dict of each of `stateful` (name -> the
+    optimizer, the schedule, fp16's loss scaler, the skipped steps), the RNG states, the step,
+    and `more` (the data position, say); tensors and plain containers only."""
+    state = {name: part.state_dict() for name, part in stateful.items()}
     return state | dict(rng=rng_states(), step=step, **more)
 
 
-def restore(checkpoint: Path, optimizer, scheduler) -> dict:
-    """The optimizer, the schedule and the RNG as the checkpoint holds them; its trainer state."""
+def restore(checkpoint: Path, stateful: dict) -> dict:
+    """Each of `stateful` (as trainer_state's) and the RNG as the checkpoint holds them; a part it
+    holds no state of (written before the part existed, or in another precision) is left as it
+    is. Returns its trainer state."""
     state = load_trainer_state(checkpoint)
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
+    for name, part in stateful.items():
+        if state.get(name):
+            part.load_state_dict(state[name])
     set_rng_states(state["rng"])
     return state
 
@@ -109,12 +114,28 @@ def restore(checkpoint: Path, optimizer, scheduler) -> dict:
 def load_trainer_state(checkpoint: Path) -> dict:
     """trainer_state.pt with the optimizer's state from optimizer.pt (checkpoints written before
     the split hold it inside trainer_state.pt)."""
-    state = torch.load(checkpoint / "trainer_state.pt", weights_only=False)
+    state = load_plain(checkpoint / "trainer_state.pt")
     if (checkpoint / "optimizer.pt").is_file():
-        state["optimizer"] = torch.load(checkpoint / "optimizer.pt", weights_only=False)
+        state["optimizer"] = load_plain(checkpoint / "optimizer.pt")
     if "optimizer" not in state:
         raise SystemExit(f"error: {checkpoint} has no optimizer.pt; resume from a newer checkpoint")
     return state
+
+
+def load_plain(path: Path):
+    """A .pt file of tensors and plain containers (torch.load with weights_only): anything else
+    is a pickled object, whose loading could run any code, so it is refused in one line and
+    nothing of it runs."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as error:
+        found = re.search(r"(?:unsupported|Unsupported global:) GLOBAL ([\w.]+)", str(error))
+        held = f"a pickled {found.group(1)}" if found else "a pickled object"
+        raise SystemExit(
+            f"error: {path} holds {held}, not only tensors and plain containers, and loading it "
+            "could run code: it was not loaded; resume only from checkpoints you wrote (or "
+            "trust), or start afresh with --overwrite-output-dir"
+        ) from None
 
 
 def checkpoint_bytes(model) -> int:

@@ -11,8 +11,10 @@ import torch.nn.functional as F
 
 
 def scaled_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    """float32 logits divided by the sampling temperature: the distribution that was sampled."""
-    return F.linear(hidden, weight).float().div_(temperature)
+    """float32 logits divided by the sampling temperature: the distribution that was sampled. The
+    head is cast to the states' dtype, as autocast casts both; outside it (a CPU backward, where
+    custom_bwd restores only CUDA's autocast) fp16 states and an fp32 head would not multiply."""
+    return F.linear(hidden, weight.to(hidden.dtype)).float().div_(temperature)
 
 
 class ChunkedLogProbs(torch.autograd.Function):

@@ -158,16 +158,15 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device):
     return model.to(device)
 
 
-def load_policy(cfg, checkpoint, device):
+def load_policy(cfg, checkpoint, precision):
     """The model a run of cfg trains: fp32 master weights, the checkpoint's when resuming; with
-    LoRA (cfg.lora_rank > 0) the frozen base, bf16 on CUDA, under an fp32 adapter, the
-    checkpoint's or a fresh one drawn from cfg.seed. With cfg.gradient_checkpointing, its
-    activations are recomputed in backward."""
+    LoRA (cfg.lora_rank > 0) the frozen base in the run's half precision (bf16 or fp16; fp32 on
+    a CPU) under an fp32 adapter, the checkpoint's or a fresh one drawn from cfg.seed. With
+    cfg.gradient_checkpointing, its activations are recomputed in backward."""
     if not cfg.lora_rank:
-        model = load_model(str(checkpoint or cfg.model), torch.float32, device)
+        model = load_model(str(checkpoint or cfg.model), torch.float32, precision.device)
     else:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        base = load_model(cfg.model, dtype, device).requires_grad_(False)
+        base = load_model(cfg.model, precision.dtype, precision.device).requires_grad_(False)
         if checkpoint is None:
             model = lora.adapted(
                 base,
@@ -183,10 +182,9 @@ def load_policy(cfg, checkpoint, device):
     return model
 
 
-def load_reference(path: str, device: torch.device):
-    """The frozen KL reference model, held in bf16 on CUDA."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return load_model(path, dtype, device).eval().requires_grad_(False)
+def load_reference(path: str, precision):
+    """The frozen KL reference model, held in the run's half precision (bf16 or fp16)."""
+    return load_model(path, precision.dtype, precision.device).eval().requires_grad_(False)
 
 
 def load_tokenizer(path: str):
@@ -266,9 +264,10 @@ def attention_mask(model, mask: torch.Tensor) -> torch.Tensor | None:
 
 
 class KVCache(DynamicCache):
-    """A DynamicCache holding keys and values in one dtype. Under bf16 autocast the rotary
+    """A DynamicCache holding keys and values in one dtype. Under bf16 (fp16) autocast the rotary
     embedding's fp32 cos and sin make the keys fp32, which the plain cache keeps, half as large
-    again; attention reads them as bf16 anyway, so bf16 storage changes nothing it computes."""
+    again; attention reads them as bf16 (fp16) anyway, so storing them so changes nothing it
+    computes."""
 
     def __init__(self, dtype: torch.dtype):
         super().__init__()
@@ -276,9 +275,11 @@ class KVCache(DynamicCache):
 
     @classmethod
     def for_model(cls, model) -> "KVCache":
-        """In the dtype attention reads: bf16 under CUDA autocast, else the model's own."""
-        if next(model.parameters()).is_cuda and torch.is_autocast_enabled("cuda"):
-            return cls(torch.get_autocast_dtype("cuda"))
+        """In the dtype attention reads: autocast's on the model's device (bf16, fp16), else the
+        model's own."""
+        device = next(model.parameters()).device.type
+        if torch.is_autocast_enabled(device):
+            return cls(torch.get_autocast_dtype(device))
         return cls(next(model.parameters()).dtype)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -313,9 +314,3 @@ def resolve_device(requested: str, gpu_recipe: str = "") -> torch.device:
     if requested == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but no CUDA GPU was found; use --device cpu")
     return torch.device(requested)
-
-
-def autocast(device: torch.device):
-    """A factory of autocast contexts: bf16 compute on CUDA over fp32 master weights; on a CPU
-    none (all fp32)."""
-    return functools.partial(torch.autocast, "cuda", torch.bfloat16, device.type == "cuda")

@@ -13,18 +13,46 @@ Every item is counted, not guessed (the tests compare each with real allocations
 - the LM head's chunks of logits (lm_head.py) and, without a fused AdamW, its foreach temporaries;
 - with --rollout vllm, no KV cache of ours: the engine holds --vllm-gpu-memory-utilization of the
   card while it samples (its bf16 weights and its KV cache) and sleeps, holding none, in the update.
+
+bf16 and fp16 hold the same bytes, so the figures are those of either; --precision fp32 on a GPU
+holds its reference and KV cache in fp32 and casts no weight. A run that runs out of memory all
+the same (a late, long batch) stops in one line naming the phase and what lowers it (OutOfMemory).
 """
 
+import contextlib
 import dataclasses
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from huggingface_hub import hf_hub_download
 
+from cwgrpo_utils import checkpoints
+from cwgrpo_utils.precision import capability_choice
+
 SHIPPED_CONFIGS = Path(__file__).resolve().parent / "model_configs"
-GPU_SIZES_GB = (24, 40, 48, 80, 141)  # common cards; 141: the H200
+# Common cards: name, memory in GB (as sold) and compute capability, from which auto's precision
+# follows (bf16 from 8.0, fp16 on 7.x)
+CARDS = (
+    ("RTX 3060", 12, (8, 6)),
+    ("T4", 16, (7, 5)),
+    ("V100 16 GB", 16, (7, 0)),
+    ("RTX 4060 Ti 16 GB", 16, (8, 9)),
+    ("A4000", 16, (8, 6)),
+    ("L4", 24, (8, 9)),
+    ("A10", 24, (8, 6)),
+    ("RTX 3090", 24, (8, 6)),
+    ("RTX 4090", 24, (8, 9)),
+    ("A100 40 GB", 40, (8, 0)),
+    ("L40S", 48, (8, 9)),
+    ("A6000", 48, (8, 6)),
+    ("A100 80 GB", 80, (8, 0)),
+    ("H100", 80, (9, 0)),
+    ("H200", 141, (9, 0)),
+)
+GPU_SIZES_GB = tuple(sorted({size for _, size, _ in CARDS}))
 USABLE = 0.92  # of a card's memory, after the CUDA context and the allocator's fragmentation
 GB = 1e9
 
@@ -138,6 +166,7 @@ class PlanOptions:
     steps: int
     save_every: int
     save_total_limit: int  # 0: every checkpoint is kept
+    precision: str = "auto"  # fp32: no half-precision copy of anything (bf16 and fp16: alike)
 
     @classmethod
     def of(cls, options) -> "PlanOptions":
@@ -170,12 +199,14 @@ class PlanOptions:
 
 def plan(model: str, options: PlanOptions, cuda: bool = True) -> dict:
     """Bytes of each item, the peak of each phase, and the disk, for `model` trained in `options`.
-    cuda: bf16 autocast and a bf16 reference, else all fp32."""
+    cuda: bf16 (or fp16) autocast and a half-precision reference, unless --precision fp32; else
+    all fp32."""
     arch = Architecture.from_config(read_config(model))
     n, rank, targets = arch.parameters(), options.lora_rank, options.lora_target_modules
     trained = arch.lora_parameters(rank, targets) if rank else n  # LoRA trains its adapter only
     micro_rows, positions = options.micro_rows, options.positions
-    half = 2 if cuda else 4  # bf16 on CUDA (autocast, reference, KV cache), fp32 on the CPU
+    cuda = cuda and options.precision != "fp32"  # an fp32 run on a GPU holds what a CPU run does
+    half = 2 if cuda else 4  # bf16 or fp16 on CUDA (autocast, reference, KV cache), else fp32
     matmul_weights = n - (0 if arch.tied else arch.vocab * arch.hidden)  # embeddings are looked up
     tokens = micro_rows * positions
     # the fp32 residual stream at a layer boundary, and the LM head's input: each completion
@@ -290,13 +321,38 @@ def fits(p: dict) -> tuple[list[int], list[int]]:
     return hold, [size for size in GPU_SIZES_GB if size not in hold]
 
 
+def card_precision(options: PlanOptions, capability: tuple[int, int], card: str) -> str:
+    """The precision a run of `options` runs in on a card: auto's choice, or the one asked for."""
+    return (
+        capability_choice(*capability, card)[0]
+        if options.precision == "auto"
+        else options.precision
+    )
+
+
+def cards_table(p: dict, options: PlanOptions) -> list[str]:
+    """A line per card size: whether the plan fits it, and its cards with the precision each
+    would run (bf16 and fp16 hold the same bytes)."""
+    lines = []
+    for size in GPU_SIZES_GB:
+        named = {}
+        for card, gigabytes, capability in CARDS:
+            if gigabytes == size:
+                named.setdefault(card_precision(options, capability, card), []).append(card)
+        cards = "; ".join(f"{', '.join(names)} ({name})" for name, names in named.items())
+        verdict = "fits" if holds(p, size * GB) else "does not fit"
+        lines.append(f"  {size:4d} GB  {verdict:13s} {cards}")
+    return lines
+
+
 def report(model: str, options: PlanOptions) -> str:
     """--plan's text: parameters, items, phases, disk, and which cards the run fits."""
     p = plan(model, options)
+    precision = "fp32" if options.precision == "fp32" else "bf16 or fp16"
     lines = [
         f"{model}: {p['parameters']:,} parameters; {p['rows']} rows of up to "
         f"{p['positions']:,} positions a step",
-        "memory (CUDA, bf16 autocast):",
+        f"memory (CUDA, {precision} autocast):" if precision != "fp32" else "memory (CUDA, fp32):",
     ]
     lines += [f"  {name:32s} {size / GB:8.2f} GB" for name, size in p["items"].items() if size]
     lines += [f"  peak in {name:24s} {size / GB:8.2f} GB" for name, size in p["phases"].items()]
@@ -313,25 +369,130 @@ def report(model: str, options: PlanOptions) -> str:
     )
     hold, not_hold = fits(p)
     lines.append(f"fits: {sizes(hold)}; does not fit: {sizes(not_hold)}")
-    return "\n".join(lines)
+    lines.append(
+        f"cards (--precision {options.precision}: bf16 from compute capability 8.0, fp16 on 7.x):"
+    )
+    return "\n".join(lines + cards_table(p, options))
 
 
 def sizes(gigabytes: list[int]) -> str:
     return f"{', '.join(map(str, gigabytes))} GB" if gigabytes else "none of them"
 
 
-def check_fit(model: str, options: PlanOptions, free_bytes: int, total_bytes: int) -> None:
+def memory_levers(options: PlanOptions) -> list[tuple[str, dict]]:
+    """The run's memory options, each turned down one notch, in the order they cost least: each
+    (its flag, the change), cumulatively worth trying. None changes the recipe but LoRA's and the
+    completion limit's."""
+    levers = []
+    if not options.gradient_checkpointing:
+        levers.append(("--gradient-checkpointing", dict(gradient_checkpointing=True)))
+    if options.groups_per_micro_batch != 1:
+        levers.append(("--groups-per-micro-batch 1", dict(groups_per_micro_batch=1)))
+    chunk = min(options.rollout_chunk or options.prompts_per_step, options.prompts_per_step)
+    while chunk > 1:
+        chunk //= 2
+        levers.append((f"--rollout-chunk {chunk}", dict(rollout_chunk=chunk)))
+    if not options.lora_rank:
+        levers.append(("--lora-rank 32", dict(lora_rank=32)))
+    length = options.max_completion_length
+    while length > 1024:
+        length //= 2
+        levers.append((f"--max-completion-length {length}", dict(max_completion_length=length)))
+    return levers
+
+
+def what_fits(model: str, options: PlanOptions, card: tuple, recipes: dict) -> str:
+    """What would fit a card of (total, free) bytes: the recipes (name -> a Config of cwgrpo's
+    presets) of the same model that fit, else of any; and the fewest of the run's own levers that
+    fit."""
+    total, free = card
+    plans = {name: plan(recipe.model, PlanOptions.of(recipe)) for name, recipe in recipes.items()}
+    fitting = [(name, needed(p, total)) for name, p in plans.items() if holds(p, total, free)]
+    same = [(name, size) for name, size in fitting if recipes[name].model == model]
+    found = [f"--preset {name} fits ({size / GB:.1f} GB)" for name, size in (same or fitting)[:2]]
+    changes, flags = {}, {}  # the levers that lower the need, each option's latest value
+    need = needed(plan(model, options), total)
+    for flag, change in memory_levers(options):
+        trial = plan(model, dataclasses.replace(options, **(changes | change)))
+        if needed(trial, total) < need:
+            changes |= change
+            flags |= {next(iter(change)): flag}
+            need = needed(trial, total)
+            if holds(trial, total, free):
+                lora = " (LoRA wants 10x the learning rate)" if "lora_rank" in flags else ""
+                found.append(f"{' '.join(flags.values())} fits ({need / GB:.1f} GB){lora}")
+                break
+    return "; ".join(found) or "nothing short of a larger card"
+
+
+def check_fit(
+    model: str, options: PlanOptions, free_bytes: int, total_bytes: int, recipes: dict | None = None
+) -> None:
     """Stop before loading when the plan does not fit the GPU's free memory (its total sizes the
-    vLLM engine's share): one line naming the largest items and the options that shrink them."""
+    vLLM engine's share): one line naming the largest items, and the presets (recipes: name -> its
+    Config) or the fewest flags that fit this card."""
     p = plan(model, options)
     if holds(p, total_bytes, free_bytes):
         return
     largest = sorted(p["items"].items(), key=lambda item: -item[1])[:3]
     named = ", ".join(f"{name} {size / GB:.1f} GB" for name, size in largest)
+    fit = what_fits(model, options, (total_bytes, free_bytes), recipes or {})
     raise SystemExit(
         f"error: this run needs about {needed(p, total_bytes) / GB:.1f} GB and the GPU has "
-        f"{free_bytes / GB:.1f} GB free (largest: {named}); try --rollout-chunk (fewer prompts "
-        f"sampled at once), --max-completion-length, --groups-per-micro-batch 1, --beta 0, or "
-        f"--preset qwen0.5b-24gb; "
+        f"{free_bytes / GB:.1f} GB free (largest: {named}); on this card: {fit}; "
         f"python cwgrpo.py ... --plan shows the whole plan"
     )
+
+
+class OutOfMemory:
+    """Running out of GPU memory in a phase of a run's step, turned into one line: the phase and
+    the step, the plan's peak for it, the option that lowers it with the plan's figure for what
+    it shrinks, the newest checkpoint (intact) and the command that resumes with that option (a
+    resume may change the memory options, not the recipe)."""
+
+    def __init__(self, model: str, options: PlanOptions, output_dir: Path):
+        self.model, self.options, self.output_dir = model, options, Path(output_dir)
+
+    @contextlib.contextmanager
+    def phase(self, name: str, step: int):
+        try:
+            yield
+        except torch.OutOfMemoryError:
+            raise SystemExit(self.message(name, step)) from None
+
+    def lever(self, name: str, items: dict) -> tuple[str, str]:
+        """The flag a resume can take to lower the phase's peak, and what it lowers."""
+        o = self.options
+        groups = o.groups_per_micro_batch or o.prompts_per_step
+        if name == "sampling" and o.rollout == "vllm":
+            share = o.vllm_gpu_memory_utilization
+            flag = f"--vllm-gpu-memory-utilization {max(0.1, share - 0.1):.1f}"
+            return flag, f"the engine holds {share:.0%} of the card as it samples"
+        if name == "sampling" and o.sampled_rows > o.group_size:
+            prompts = o.sampled_rows // o.group_size
+            kv = items["KV cache"] / GB
+            return f"--rollout-chunk {prompts // 2}", f"{prompts} prompts' KV cache, {kv:.1f} GB"
+        if name == "the update" and not o.gradient_checkpointing:
+            saved = items["activations saved for backward"] / GB
+            return "--gradient-checkpointing", f"{saved:.1f} GB of activations saved for backward"
+        if name in ("the update", "the log-prob passes") and groups > 1:
+            return "--groups-per-micro-batch 1", f"{groups} groups a pass"
+        return "", ""
+
+    def message(self, name: str, step: int) -> str:
+        p = plan(self.model, self.options)
+        phase = {"sampling": "rollout", "the optimizer step": "optimizer step"}.get(name, "update")
+        flag, lowers = self.lever(name, p["items"])
+        advice = f"lower it with {flag} (now {lowers})" if flag else "no memory option lowers it"
+        if name == "the optimizer step" and not self.options.lora_rank:
+            advice += ": a new run under LoRA (the -lora presets) holds AdamW's moments of less"
+        elif name != "the optimizer step":
+            limit = self.options.max_completion_length
+            advice += f", or a new run with --max-completion-length below {limit}"
+        latest = checkpoints.latest_checkpoint(self.output_dir)
+        kept = f"{latest} is intact" if latest else "no checkpoint was written yet"
+        resume = f"{checkpoints.resume_command()} {flag}".rstrip()
+        return (
+            f"error: out of GPU memory in {name} at step {step} (the plan's peak there: "
+            f"{p['phases'][phase] / GB:.1f} GB); {advice}; {kept}; resume with: {resume}"
+        )

@@ -169,13 +169,13 @@ def first_to_last(records: list[dict], key: str) -> tuple[float, float]:
 SUMMARY_KEYS = ("reward_mean", "accuracy_mean", "format_mean", "entropy_mean", "kl_mean")
 
 
-def run_header(cfg) -> str:
-    """What a run is about to do, in two lines, from its Config."""
+def run_header(cfg, precision: str) -> str:
+    """What a run is about to do, in two lines, from its Config and its precision (and why)."""
     model, data = shown_path(cfg.model), shown_path(cfg.dataset)
     header = f"cwgrpo: --method {cfg.method} on {model}, data {data}\n  "
     header += f"{cfg.prompts_per_step} prompts x G = {cfg.group_size} per step, {cfg.steps} steps, "
     header += f"beta {cfg.beta:g}, lr {cfg.learning_rate:g}, temperature {cfg.temperature:g}; "
-    return header + f"output {cfg.output_dir}"
+    return header + f"{precision}; output {cfg.output_dir}"
 
 
 # metrics.jsonl's counts of completions that scored 0 whatever they said: the run warns of them
@@ -215,6 +215,15 @@ def run_summary(output_dir: Path, wall_s: float, preset: str) -> str:
     if any(problems.values()):
         counts = ", ".join(f"{n} {what}" for what, n in problems.items() if n)
         out.append(f"  grading: {counts} (scored 0)")
+    skipped = records[-1].get("skipped_steps", 0)  # records before the count was kept have none
+    if skipped:
+        scale = (
+            f"; loss scale now {records[-1]['loss_scale']:g}" if "loss_scale" in records[-1] else ""
+        )
+        out.append(
+            f"  skipped: {skipped} of {len(records)} optimizer steps, their gradient not finite "
+            f"(no weight changed){scale}"
+        )
     kept = sorted(checkpoints(output_dir), key=checkpoint_step)
     return "\n".join(
         out

@@ -23,7 +23,6 @@ import sys
 import threading
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from cwgrpo_utils import checkpoints
@@ -31,8 +30,9 @@ from cwgrpo_utils.cli import warn_once
 from cwgrpo_utils.trackers import Trackers
 
 # The options a resumed run may change, none of them its recipe: more --steps extend it (the
-# cosine schedule is then recomputed over the new total), the rest say where and how often it
-# reports.
+# cosine schedule is then recomputed over the new total), some say where and how often it reports,
+# and the memory options change how much is computed at once, not what (their floating-point
+# rounding, and with --rollout-chunk which random numbers each sample draws)
 RESUME_MAY_CHANGE = (
     "steps",
     "save_every",
@@ -40,6 +40,11 @@ RESUME_MAY_CHANGE = (
     "reward_workers",
     "output_dir",
     "report_to",
+    "rollout_chunk",
+    "groups_per_micro_batch",
+    "gradient_checkpointing",
+    "logit_chunk_elements",
+    "vllm_gpu_memory_utilization",
 )
 
 
@@ -315,14 +320,20 @@ class StopRequest:
 
 class Progress:
     """A tqdm bar on a terminal; elsewhere (a log file) one plain line every `every` steps, so a
-    log holds a few lines rather than hundreds of bar redraws."""
+    log holds a few lines rather than hundreds of bar redraws. Each step shows its last metrics
+    record's reward, entropy and skipped steps."""
 
     def __init__(self, start: int, total: int, label: str, every: int):
         self.done, self.total, self.label, self.every = start, total, label, every
         self.bar = tqdm(initial=start, total=total, desc=label) if sys.stderr.isatty() else None
 
-    def step(self, **figures) -> None:
+    def step(self, record: dict) -> None:
         self.done += 1
+        figures = {
+            "reward": f"{record['reward_mean']:.3f}",
+            "entropy": f"{record['entropy_mean']:.3f}",
+            "skipped": str(record["skipped_steps"]),
+        }
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(figures)
@@ -347,29 +358,3 @@ def never_fatal(what: str):
             f"warning: could not {what} ({type(error).__name__}: {message}); "
             f"training goes on without it",
         )
-
-
-def update_metrics(per_token: list[dict], loss: float, grad_norm: float, lr: float) -> dict:
-    """An update's metrics.jsonl figures from its micro-batches' per-token values (cwgrpo.py's
-    token_metrics: entropy, kl, clipped, w, touched, pg_on, sampler_diff, r; one a valid token)."""
-    token = {name: torch.cat([part[name] for part in per_token]) for name in per_token[0]}
-    if not len(token["w"]):  # every completion masked (--mask-truncated-completions): a 0 step
-        token = {name: torch.zeros(1) for name in token}
-    w = token["w"]
-    return {
-        "loss": loss,
-        "grad_norm": grad_norm,
-        "lr": lr,
-        **{f"{name}_mean": token[name].mean().item() for name in ("entropy", "kl", "w")},
-        "clip_frac": token["clipped"].mean().item(),
-        "touched_frac": token["touched"].mean().item(),
-        "pg_active_frac": token["pg_on"].mean().item(),
-        "w_min": w.min().item(),
-        "w_std": w.std().item() if len(w) > 1 else 0.0,
-        "w_max": w.max().item(),
-        "w_frac_below_half": (w < 0.5).float().mean().item(),
-        "w_frac_above_2": (w > 2).float().mean().item(),
-        "sampler_logp_diff_mean": token["sampler_diff"].mean().item(),
-        "sampler_logp_diff_max": token["sampler_diff"].max().item(),
-        **{f"sampler_ratio_{f}": getattr(token["r"], f)().item() for f in ("min", "mean", "max")},
-    }

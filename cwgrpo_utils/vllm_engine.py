@@ -26,9 +26,11 @@ from cwgrpo_utils.memory_plan import Architecture, PlanOptions, read_config
 
 class Engine:
     """A vLLM engine for `model_path`'s architecture, holding prompts + completions of up to
-    max_model_len tokens, for up to `rows` sequences at once. pushed_weights (the trainer's): it
-    starts with random weights and samples only from those pushed with each generate call, and
-    on CUDA it sleeps between calls; else it loads model_path's weights (evaluate.py)."""
+    max_model_len tokens, for up to `rows` sequences at once, in vLLM's `dtype` (bfloat16, half or
+    float32; default bfloat16 on CUDA and float32 on a CPU, as the trainer). pushed_weights (the
+    trainer's): it starts with random weights and samples only from those pushed with each
+    generate call, and on CUDA it sleeps between calls; else it loads model_path's weights
+    (evaluate.py)."""
 
     def __init__(
         self,
@@ -39,6 +41,7 @@ class Engine:
         gpu_memory_utilization: float = 0.3,
         seed: int = 0,
         pushed_weights: bool = True,
+        dtype: str = "",
     ):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its warnings repeat each step
@@ -57,14 +60,17 @@ class Engine:
             generation_config="vllm",  # nothing from the model's generation_config.json
             enable_prefix_caching=True,  # a group's G completions share their prompt's blocks
         )
-        if device.type == "cuda":  # bf16 as the trainer's autocast
-            options |= dict(dtype="bfloat16", gpu_memory_utilization=gpu_memory_utilization)
-            options |= dict(enable_sleep_mode=self.sleeps)
-        else:  # fp32 as the trainer on a CPU; eager: no compilation at start
+        if device.type == "cuda":  # the trainer's autocast dtype
+            options["dtype"] = dtype or "bfloat16"
+            options["gpu_memory_utilization"] = gpu_memory_utilization
+            options["enable_sleep_mode"] = self.sleeps
+        else:  # fp32 as the trainer on a CPU, unless asked; eager: no compilation at start
+            options["dtype"] = dtype or "float32"
+            options["enforce_eager"] = True
             arch = Architecture.from_config(read_config(model_path))
-            kv_bytes = rows * max_model_len * arch.layers * 2 * arch.kv_width * 4  # fp32 K and V
-            options |= dict(dtype="float32", enforce_eager=True)
-            options |= dict(kv_cache_memory_bytes=max(2 * kv_bytes, 64 << 20))
+            element = 4 if options["dtype"] == "float32" else 2
+            kv_bytes = rows * max_model_len * arch.layers * 2 * arch.kv_width * element  # K and V
+            options["kv_cache_memory_bytes"] = max(2 * kv_bytes, 64 << 20)
         cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=cuda):  # LLM(seed=) reseeds this process's RNG
             self.llm = self.vllm.LLM(**options)
@@ -72,17 +78,19 @@ class Engine:
             self.llm.sleep(level=2)
 
     @classmethod
-    def for_run(cls, cfg, device) -> "Engine":
-        """The trainer's engine (--rollout vllm) for a run of cfg, sized for its step: all its rows
-        at once, each as long as a row can be; it samples only the weights pushed."""
+    def for_run(cls, cfg, precision) -> "Engine":
+        """The trainer's engine (--rollout vllm) for a run of cfg in `precision` (its dtype), sized
+        for its step: all its rows at once, each as long as a row can be; it samples only the
+        weights pushed."""
         plan = PlanOptions.of(cfg)
         return cls(
             cfg.model,
             max_model_len=plan.positions,
             rows=plan.rows,
-            device=device,
+            device=precision.device,
             gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
             seed=cfg.seed,
+            dtype=precision.vllm_dtype,
         )
 
     def push_weights(self, model) -> None:

@@ -32,7 +32,8 @@ import torch
 from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 
 import cwgrpo
-from cwgrpo_utils import loading
+from cwgrpo_utils import OPEN_RS_SYSTEM_PROMPT, loading
+from cwgrpo_utils.metrics import touched_tokens
 
 VERL_METHODS = {  # verl name -> (cwgrpo method, Config overrides)
     "cw": ("cw", {}),
@@ -130,7 +131,7 @@ def make_policy_loss(method_name: str, overrides: dict):
             "actor/cwgrpo_w_mean": w.mean().item(),
             "actor/cwgrpo_w_min": w.min().item(),
             "actor/cwgrpo_w_max": w.max().item(),
-            "actor/cwgrpo_touched_frac": cwgrpo.touched_tokens(terms)[valid].float().mean().item(),
+            "actor/cwgrpo_touched_frac": touched_tokens(terms)[valid].float().mean().item(),
         }
 
     policy_loss.__name__ = f"cwgrpo_{method_name}_policy_loss"
@@ -165,7 +166,7 @@ def convert(
     output_dir: str,
     question_column: str = "problem",
     gold_column: str = "solution",
-    system_prompt: str = cwgrpo.OPEN_RS_SYSTEM_PROMPT,
+    system_prompt: str = OPEN_RS_SYSTEM_PROMPT,
     format_weight: float = 1.0,
 ) -> Path:
     """Open-RS (or any problem/solution data) as verl's RL parquet: prompt, reward rule, gold."""

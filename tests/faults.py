@@ -8,11 +8,15 @@ a failed write does to a run. The whole-run tests (tests/test_runs.py) drive it.
 CWGRPO_FAULT is module:attribute:N[:mode], the attribute dotted for a method (Class.method) and
 looked up where the caller finds it (RunFolder.log calls run_folder's append_record, so
 cwgrpo_utils.run_folder:append_record; Grader is cwgrpo's own class, so cwgrpo:Grader.submit).
-Modes: kill (before the Nth call; the
-default), after (once it returns), torn (for an append of one JSON record to a file: half the line
-is written, then the kill), enospc (the call raises OSError ENOSPC, as a full disk does). The kill
-is SIGKILL, as from the OOM killer or a preempted job: no handler runs, no file is closed, the
-grading workers are orphaned.
+N+ (3+) is every call from the Nth on. Modes: kill (before the Nth call; the default), after (once
+it returns), torn (for an append of one JSON record to a file: half the line is written, then the
+kill), enospc (the call raises OSError ENOSPC, as a full disk does), nan (the call's tensor result,
+or the first tensor of a tuple result, times NaN), oom (the call raises torch.OutOfMemoryError
+with CUDA's message). The kill is SIGKILL, as from the OOM killer or a preempted job: no handler
+runs, no file is closed, the grading workers are orphaned.
+
+    CWGRPO_FAULT=cwgrpo:completion_logprobs:5:nan python -m tests.faults ...   # one NaN loss
+    CWGRPO_FAULT=cwgrpo:sample_tokens:3+:oom python -m tests.faults ...        # out of memory
 """
 
 import errno
@@ -23,23 +27,43 @@ import os
 import signal
 import sys
 
+import torch
+
 import cwgrpo  # before arming: the fault may patch its names
+
+MODES = ("kill", "after", "torn", "enospc", "nan", "oom")
+CUDA_OOM = (
+    "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 15.73 GiB of "
+    "which 1.12 GiB is free. Of the allocated memory 13.85 GiB is allocated by PyTorch"
+)
 
 
 def kill_now() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def faulty(function, n: int, mode: str):
-    """`function`, with the fault at its nth call."""
+def with_nan(result):
+    """A call's result with its tensor (or a tuple's first tensor) times NaN."""
+    if isinstance(result, torch.Tensor):
+        return result * float("nan")
+    first = next(i for i, part in enumerate(result) if isinstance(part, torch.Tensor))
+    return (*result[:first], result[first] * float("nan"), *result[first + 1 :])
+
+
+def faulty(function, n: int, every_after: bool, mode: str):
+    """`function`, with the fault at its nth call (and every one after, if every_after)."""
     calls = 0
 
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
         nonlocal calls
         calls += 1
-        if calls != n:
+        if calls < n or (calls > n and not every_after):
             return function(*args, **kwargs)
+        if mode == "nan":
+            return with_nan(function(*args, **kwargs))
+        if mode == "oom":
+            raise torch.OutOfMemoryError(CUDA_OOM)
         if mode == "kill":
             kill_now()
         if mode == "enospc":
@@ -60,13 +84,15 @@ def faulty(function, n: int, mode: str):
 def arm(spec: str) -> None:
     """Patch the function `spec` names (module:attribute:N[:mode]) with its fault."""
     module_name, attribute, n, *mode = spec.split(":")
-    if (mode or ["kill"])[0] not in ("kill", "after", "torn", "enospc"):
-        raise SystemExit(f"error: CWGRPO_FAULT mode must be kill, after, torn or enospc: {spec}")
+    mode = (mode or ["kill"])[0]
+    if mode not in MODES:
+        raise SystemExit(f"error: CWGRPO_FAULT mode must be one of {', '.join(MODES)}: {spec}")
     owner = importlib.import_module(module_name)
     *path, name = attribute.split(".")
     for part in path:
         owner = getattr(owner, part)
-    setattr(owner, name, faulty(getattr(owner, name), int(n), (mode or ["kill"])[0]))
+    every_after = n.endswith("+")
+    setattr(owner, name, faulty(getattr(owner, name), int(n.rstrip("+")), every_after, mode))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,10 @@ ROLLOUT = os.environ.get("CWGRPO_TEST_ROLLOUT", "hf")
 # points where the adapter matters (.ci/run)
 LORA = os.environ.get("CWGRPO_TEST_LORA", "")
 LORA_ARGS = ["--lora-rank", "4", "--lora-alpha", "8", "--learning-rate", "3e-3"]
+# CWGRPO_TEST_PRECISION=fp16 runs them in fp16 (autocast with the loss scaler, on the CPU)
+PRECISION = os.environ.get("CWGRPO_TEST_PRECISION", "")
 FEATURES = [*LORA_ARGS, "--report-to", "tensorboard"] if LORA else []
+FEATURES += ["--precision", PRECISION] if PRECISION else []
 
 # A Qwen2 of a shape the tiny model is not, and the plan's count was not fit on: an untied head,
 # 6 heads of 16, 2 KV heads

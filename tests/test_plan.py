@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 import cwgrpo
 from cwgrpo_utils import checkpoints, loading, memory_plan
+from cwgrpo_utils.precision import Precision
 from tests.support import ROOT, SMALL_SHAPE, read_metrics, saved_activation_bytes
 
 
@@ -174,15 +175,26 @@ def test_plan_prints_every_presets_numbers_offline(preset, tmp_path):
         "qwen0.5b-24gb": "494,032,768",
     }.get(preset, "115,456")
     assert f"{count} parameters" in lines[0]
+    fits = next(line for line in lines if line.startswith("fits: "))
     assert (
-        lines[-1]
+        fits
         == {
-            "paper-1.5b": "fits: 80, 141 GB; does not fit: 24, 40, 48 GB",
-            "paper-7b": "fits: none of them; does not fit: 24, 40, 48, 80, 141 GB",
-            "qwen0.5b-24gb": "fits: 24, 40, 48, 80, 141 GB; does not fit: none of them",
-            "tiny": "fits: 24, 40, 48, 80, 141 GB; does not fit: none of them",
+            "paper-1.5b": "fits: 80, 141 GB; does not fit: 12, 16, 24, 40, 48 GB",
+            "paper-7b": "fits: none of them; does not fit: 12, 16, 24, 40, 48, 80, 141 GB",
+            "qwen0.5b-24gb": "fits: 24, 40, 48, 80, 141 GB; does not fit: 12, 16 GB",
+            "tiny": "fits: 12, 16, 24, 40, 48, 80, 141 GB; does not fit: none of them",
         }[preset]
     )
+    cards = lines[
+        lines.index(fits) + 1 :
+    ]  # a line per size: the plan's verdict, each card's precision
+    assert cards[0] == "cards (--precision auto: bf16 from compute capability 8.0, fp16 on 7.x):"
+    verdict = "fits" if preset == "tiny" else "does not fit"
+    assert (
+        cards[2]
+        == f"    16 GB  {verdict:13s} T4, V100 16 GB (fp16); RTX 4060 Ti 16 GB, A4000 (bf16)"
+    )
+    assert [line.split()[0] for line in cards[1:]] == ["12", "16", "24", "40", "48", "80", "141"]
     assert any(line.startswith("disk: ") for line in lines)
 
 
@@ -213,6 +225,8 @@ def test_a_cuda_run_that_cannot_fit_stops_before_loading(monkeypatch, tmp_path):
     the check and the run are the real ones, and nothing is loaded (the model is a hub id)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *_: (40 * 10**9, 48 * 10**9))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA L40S")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (8, 9))
     monkeypatch.setattr(loading, "load_dataset", lambda *_: pytest.fail("loaded before the check"))
     with pytest.raises(SystemExit) as error:
         cwgrpo.main(
@@ -231,9 +245,58 @@ def test_the_plan_with_vllm_counts_the_engine_share_per_card():
     resident = items["weights (fp32)"] + items["AdamW moments (fp32)"] + items["reference"]
     assert p["phases"]["rollout"] == resident  # no HF forward while the engine samples
     assert p["phases"]["update"] == hf["phases"]["update"]  # the engine sleeps, holding nothing
-    assert memory_plan.fits(p) == ([80, 141], [24, 40, 48])
+    assert memory_plan.fits(p) == ([80, 141], [12, 16, 24, 40, 48])
     assert memory_plan.holds(p, 80e9)
     assert not memory_plan.holds({**p, "engine_share": 0.01}, 80e9)  # 0.8 GB: not its weights
     assert not memory_plan.holds({**p, "engine_share": 0.9}, 80e9)  # 72 GB beside the trainer's
     report = memory_plan.report(cfg.model, memory_plan.PlanOptions.of(cfg))
     assert "vLLM engine while sampling: 30% of the card, its bf16 weights 3.55 GB" in report
+
+
+def test_a_run_that_cannot_fit_is_told_what_does_fit_the_card():
+    """On a 16 GB card (T4: 15.8 GB, 15.3 free) the paper's recipe is told of the T4 preset of the
+    same model; a qwen0.5b run on a 12 GB card, of the fewest of its own flags that fit."""
+    recipes = {name: cwgrpo.parse_config(["--preset", name]) for name in cwgrpo.PRESETS}
+    recipes = {name: cfg for name, cfg in recipes.items() if name not in cwgrpo.CPU_PRESETS}
+    cfg = cwgrpo.parse_config(["--preset", "paper-1.5b"])
+    options = memory_plan.PlanOptions.of(cfg)
+    with pytest.raises(SystemExit) as stop:
+        memory_plan.check_fit(cfg.model, options, 15.3e9, 15.8e9, recipes=recipes)
+    assert "; on this card: --preset paper-1.5b-lora-16gb fits (12.8 GB); " in str(stop.value)
+    small = cwgrpo.parse_config(["--preset", "qwen0.5b-24gb"])
+    with pytest.raises(SystemExit) as stop:
+        memory_plan.check_fit(small.model, memory_plan.PlanOptions.of(small), 11e9, 12e9)
+    fit = str(stop.value).split("; on this card: ")[1].split("; python cwgrpo.py")[0]
+    assert fit.endswith(" (LoRA wants 10x the learning rate)")  # the update's size needs it here
+    flags, planned = fit.removesuffix(" (LoRA wants 10x the learning rate)").split(" fits (")
+    changed = plan_options_of(["--preset", "qwen0.5b-24gb", *flags.split()])
+    assert memory_plan.holds(memory_plan.plan(small.model, changed), 12e9, 11e9)
+    assert (
+        planned
+        == f"{memory_plan.needed(memory_plan.plan(small.model, changed), 12e9) / 1e9:.1f} GB)"
+    )
+
+
+def test_the_t4_preset_leaves_a_tenth_of_a_16_gb_card_free_and_runs_fp16_there():
+    cfg = cwgrpo.parse_config(["--preset", "paper-1.5b-lora-16gb"])
+    p = memory_plan.plan(cfg.model, memory_plan.PlanOptions.of(cfg))
+    assert p["peak"] <= 0.9 * memory_plan.USABLE * 16e9
+    longer = plan_options_of(
+        ["--preset", "paper-1.5b-lora-16gb", "--max-completion-length", "2048"]
+    )
+    assert not memory_plan.holds(memory_plan.plan(cfg.model, longer), 16e9)  # the longest that fits
+    t4 = Precision.choose("auto", torch.device("cuda"), capability=(7, 5), card="Tesla T4")
+    assert (cfg.lora_rank, cfg.precision, t4.name) == (32, "auto", "fp16")
+
+
+def test_an_fp32_run_on_a_gpu_is_planned_with_fp32_copies_only():
+    half = memory_plan.plan(cwgrpo.parse_config([]).model, plan_options_of([]))
+    full = memory_plan.plan(cwgrpo.parse_config([]).model, plan_options_of(["--precision", "fp32"]))
+    assert full["items"]["reference"] == 2 * half["items"]["reference"]
+    assert full["items"]["KV cache"] == 2 * half["items"]["KV cache"]
+    assert (
+        full["items"]["autocast weight copies (bf16)"]
+        == 0
+        < half["items"]["autocast weight copies (bf16)"]
+    )
+    assert half["items"]["weights (fp32)"] == full["items"]["weights (fp32)"]

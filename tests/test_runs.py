@@ -16,14 +16,25 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import cwgrpo
-from cwgrpo_utils import checkpoints, cli, loading, run_folder, tiny, token_page
+from cwgrpo_utils import (
+    OPEN_RS_SYSTEM_PROMPT,
+    checkpoints,
+    cli,
+    loading,
+    run_folder,
+    tiny,
+    token_page,
+)
+from cwgrpo_utils.precision import Precision
 from cwgrpo_utils.prompts import chat_prompt_ids
 from tests.support import (
     LORA,
+    LORA_ARGS,
     ROLLOUT,
     ROOT,
     Crash,
@@ -351,7 +362,8 @@ def test_token_view_shows_the_prompt_scores_and_the_methods_weights(tiny_base, t
     weigh = functools.partial(cwgrpo.every_methods_weights, cfg=cfg)
     page = token_page.TokenPage(run, cfg, tokenizer, methods=cwgrpo.METHODS, weigh=weigh)
     rng = torch.get_rng_state()
-    page(step=1, model=model, rollout=rollout, autocast=loading.autocast(torch.device("cpu")))
+    fp32 = Precision.choose("auto", torch.device("cpu"))
+    page(step=1, model=model, rollout=rollout, autocast=fp32.autocast)
     assert torch.equal(torch.get_rng_state(), rng)  # clip_cov's draws leave training unchanged
     (view,) = run_folder.read_records(tmp_path / "tokens.jsonl")
     assert view["prompt"] == "<|im_start|>user\n3+4<|im_end|>\n<|im_start|>assistant\n"
@@ -462,7 +474,7 @@ def test_the_paper_recipe_code_path_runs_and_resumes_on_cpu(tmp_path, tiny_base,
         True,
         0.04,
         "cw",
-        cwgrpo.OPEN_RS_SYSTEM_PROMPT,
+        OPEN_RS_SYSTEM_PROMPT,
     )
     with pytest.raises(Crash):
         cwgrpo.train(cfg)
@@ -897,3 +909,146 @@ def test_rng_states_hold_only_the_runs_own_gpu(monkeypatch):
     checkpoints.set_rng_states(states)
     checkpoints.set_rng_states(states | {"cuda": [torch.tensor([5]), torch.tensor([6])]})  # older
     assert [int(s) for s in restored] == [7, 5]
+
+
+# ----------------------------------------- nothing corrupt gets in: NaN, foreign pickles, memory
+def finite_weights(folder: Path) -> bool:
+    tensors = safetensors.torch.load_file(next(folder.glob("*.safetensors")))
+    return all(torch.isfinite(t).all() for t in tensors.values())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_nan_in_one_micro_batch_is_skipped_and_counted_and_the_run_goes_on(
+    precision, tiny_args, tmp_path
+):
+    out = tmp_path / "run"
+    args = [*tiny_args, *FAULT_STEPS, "--precision", precision, "--output-dir", str(out)]
+    done = fault_run(args, "cwgrpo:completion_logprobs:5:nan")  # step 2's update (1: ref, 2: page)
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["skipped_steps"] for r in records] == [0, 1, 1, 1, 1, 1]
+    assert math.isnan(records[1]["loss"]) and math.isnan(records[1]["grad_norm"])
+    assert records[2]["lr"] == records[1]["lr"]  # the schedule did not move either
+    assert all(math.isfinite(r["loss"]) for i, r in enumerate(records) if i != 1)
+    if precision == "fp16":  # the loss scaler saw the overflow too, and halved its scale
+        assert [r["loss_scale"] for r in records[:2]] == [65536.0, 32768.0]
+    if (
+        ROLLOUT == "vllm"
+    ):  # the engine samples the trainer's weights, which the skip left as they were
+        assert all(r["sampler_logp_diff_max"] < 1e-3 for r in records[2:])
+    assert "  skipped: 1 of 6 optimizer steps, their gradient not finite" in done.stdout
+    assert ", skipped 1" in done.stdout  # the progress line
+    assert finite_weights(out / "final-model")
+
+
+def test_a_nan_at_every_step_stops_the_run_in_one_line_with_finite_checkpoints(tiny_args, tmp_path):
+    out = tmp_path / "run"
+    steps = ["--steps", "8", "--save-every", "1", "--threads", "1", "--reward-workers", "1"]
+    args = [*tiny_args, *steps, "--max-skipped-steps", "3", "--output-dir", str(out)]
+    done = fault_run(args, "cwgrpo:completion_logprobs:3+:nan")  # every update from step 1's on
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith(
+        "error: 3 optimizer steps in a row had a non-finite gradient (the last, step 3: loss nan, "
+        "grad norm nan) and changed nothing, so the run stops (--max-skipped-steps 3); the newest "
+        f"checkpoint, {out / 'checkpoint-2'}, resumes with: python cwgrpo.py "
+    )
+    assert [r["skipped_steps"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3]
+    saved = sorted(out.glob("checkpoint-*"))
+    assert len(saved) == 2 and all(finite_weights(folder) for folder in saved)  # 3: stopped first
+    assert not (out / "final-model").exists()
+
+
+OUT_OF_MEMORY = {  # CWGRPO_FAULT -> the phase named, and the flag the resume command takes
+    f"{SAMPLER}:3:oom": ("sampling", "--rollout-chunk 4"),
+    "cwgrpo:policy_token_stats:4:oom": ("the log-prob passes", "--groups-per-micro-batch 1"),
+    "cwgrpo:accumulate_gradients:3:oom": ("the update", "--gradient-checkpointing"),
+    "torch.optim:AdamW.step:3:oom": ("the optimizer step", ""),
+}
+if ROLLOUT == "vllm":
+    OUT_OF_MEMORY[f"{SAMPLER}:3:oom"] = ("sampling", "--vllm-gpu-memory-utilization 0.2")
+
+
+@pytest.mark.parametrize("fault", list(OUT_OF_MEMORY))
+def test_out_of_memory_ends_in_one_line_and_the_resume_reproduces_the_run(
+    fault, tiny_args, tmp_path, uninterrupted_fault_run
+):
+    out = tmp_path / "run"
+    args = [*tiny_args, *FAULT_STEPS, "--output-dir", str(out)]
+    done = fault_run(args, fault)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    phase, flag = OUT_OF_MEMORY[fault]
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith(
+        f"error: out of GPU memory in {phase} at step 3 (the plan's peak there: "
+    )
+    assert f"{out / 'checkpoint-2'} is intact; resume with: python cwgrpo.py " in line
+    assert line.endswith(f"--resume {flag}".rstrip())
+    resumed = fault_run([*args, "--resume"])  # the same options, as after a kill
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    expected = read_metrics(uninterrupted_fault_run / "metrics.jsonl")
+    assert read_metrics(out / "metrics.jsonl") == expected
+
+
+@pytest.mark.parametrize("name", ["trainer_state.pt", "optimizer.pt"])
+def test_a_poisoned_checkpoint_runs_nothing_in_resume_evaluate_or_the_tools(
+    name, tiny_run, tiny_args, tmp_path
+):
+    out, marker = tmp_path / "run", tmp_path / "ran"
+    shutil.copytree(tiny_run, out)
+    shutil.rmtree(out / "checkpoint-4")  # checkpoint-2, the newest, keeps its optimizer.pt again
+    shutil.copy(tiny_run / "checkpoint-4" / "optimizer.pt", out / "checkpoint-2" / "optimizer.pt")
+    torch.save({"rng": Poison(marker)}, out / "checkpoint-2" / name)
+    resumed = run_cli(
+        *tiny_args, "--steps", "4", "--save-every", "2", "--output-dir", str(out), "--resume"
+    )
+    assert resumed.returncode == 1 and "Traceback" not in resumed.stderr
+    assert resumed.stderr.strip().startswith(
+        f"error: {out / 'checkpoint-2' / name} holds a pickled posix.system, not only tensors"
+    )
+    evaluated = subprocess.run(
+        [sys.executable, str(ROOT / "evaluate.py"), "--model", str(out / "checkpoint-2"),
+         "--benchmarks", str(ROOT / "benchmarks" / "tiny-arithmetic.jsonl"), "--limit", "2",
+         "--n", "1", "--max-new-tokens", "4", "--gold-format", "expr",
+         "--output-dir", str(tmp_path / "eval")],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    diagnosed = subprocess.run(
+        [sys.executable, "-m", "tools.diagnose", "batch", "--preset", "tiny", "--model",
+         str(out / "checkpoint-2"), "--dataset", tiny_args[5], "--prompts-per-step", "2",
+         "--max-completion-length", "6", "--reward-workers", "1",
+         "--diagnostics-dir", str(tmp_path / "diag")],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert diagnosed.returncode == 0, diagnosed.stderr[-2000:]
+    assert not marker.exists()  # nothing of the file ran, anywhere
+
+
+class Poison:
+    """A pickle whose loading runs a shell command (here: touching a file)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_checkpoint_written_by_main_of_2026_12_03_resumes_to_its_uninterrupted_run(tmp_path):
+    """A run folder from before checkpoints were read with weights_only (tests/fixtures/): its
+    checkpoint-2 resumes with today's code to exactly that day's uninterrupted run."""
+    fixture = ROOT / "tests" / "fixtures" / "checkpoint-of-2026-12-03"
+    shutil.copytree(fixture, tmp_path / "folder")
+    args = ["--preset", "tiny", "--model", "base", "--dataset", "data.jsonl", "--steps", "4"]
+    args += ["--save-every", "2", "--threads", "1", "--reward-workers", "1", *LORA_ARGS]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "cwgrpo.py"), *args, "--output-dir", "run", "--resume"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path / "folder",
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    resumed = read_metrics(tmp_path / "folder" / "run" / "metrics.jsonl")
+    skipped = [r.pop("skipped_steps", None) for r in resumed]
+    assert skipped == [None, None, 0, 0]  # the old records as they were; the new ones count it
+    assert resumed == read_metrics(fixture / "uninterrupted.jsonl")

@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -192,7 +193,7 @@ def test_diagnose_batch_honours_or_refuses_each_option(tiny_base, tmp_path, caps
     model = ["--preset", "tiny", "--model", str(tiny_base / "model")]
     out = tmp_path / "diag"
     diagnose.batch([*model, "--plan", "--diagnostics-dir", str(out)])
-    assert "fits: 24, 40, 48, 80, 141 GB" in capsys.readouterr().out  # the plan ...
+    assert "fits: 12, 16, 24, 40, 48, 80, 141 GB" in capsys.readouterr().out  # the plan ...
     assert not out.exists()  # ... and no batch
     with pytest.raises(SystemExit) as error:
         diagnose.batch([*model, "--steps", "5"])
@@ -345,21 +346,41 @@ def test_ties_fill_every_decile():
 
 
 @pytest.mark.parametrize("lora_rank", ["0", "4"])
-def test_gpu_check_runs_at_tiny_shapes(lora_rank):
+def test_gpu_check_runs_at_tiny_shapes_in_each_precision(lora_rank):
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_check", "--tiny", "--lora-rank", lora_rank],
-        capture_output=True,
-        text=True,
-        timeout=600,  # a hang guard
-        cwd=ROOT,
-    )
+        [sys.executable, "-m", "benchmarks.gpu_check", "--tiny", "--lora-rank", lora_rank,
+         "--precisions", "fp32,fp16"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,  # a hang guard
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].startswith("device: cpu; 137,280 parameters; 12 prompts x G = 12")
-    assert lines[1].startswith("step 1: decode ") and lines[2].startswith("step 2: decode ")
-    assert "KV cache dtype: torch.float32" in lines
-    assert "; kl 0; " in lines[1]  # the reference is the policy at step 1 (with LoRA: the base)
-    assert (
-        "every logit finite after a left-padded prefill: cwgrpo's mask True, plain mask True"
-        in lines
+    assert lines[0].endswith("; precisions fp32, fp16")
+    fp32, fp16 = (
+        lines.index("precision fp32: as asked:"),
+        lines.index("precision fp16: as asked, autocast on the cpu:"),
+    )
+    for start, dtype in ((fp32, "float32"), (fp16, "float16")):
+        section = lines[start + 1 : start + 9]
+        assert section[0].startswith("  step 1: decode ") and section[1].startswith("  step 2: ")
+        assert "|trainer - sampler log-prob| mean " in section[0]
+        assert f"  KV cache dtype: torch.{dtype}" in section
+        assert (
+            "  every logit finite after a left-padded prefill: cwgrpo's mask True, plain mask True"
+            in section
+        )
+    assert "; kl 0; " in lines[fp32 + 1]  # the reference is the policy at step 1 (LoRA: the base)
+    assert lines[fp32 + 3] == "  loss scale: none (no scaler); steps skipped as not finite: 0 of 2"
+    assert lines[fp16 + 3].startswith("  loss scale: 65536 -> ")  # fp16's scaler, its path
+
+
+def test_gpu_check_without_a_gpu_is_one_line_naming_tiny():
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check"], capture_output=True, text=True,
+        timeout=600, cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )  # fmt: skip
+    assert done.returncode == 1 and done.stdout == ""  # nothing was built
+    assert done.stderr.strip() == (
+        "error: benchmarks.gpu_check measures a CUDA GPU and none was found; "
+        "python -m benchmarks.gpu_check --tiny runs the same path at tiny shapes on the CPU"
     )

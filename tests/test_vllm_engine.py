@@ -256,12 +256,12 @@ def test_gpu_check_runs_its_vllm_rows_at_tiny_shapes():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
-    speed = next(line for line in lines if line.startswith("vllm: started in "))
+    speed = next(line for line in lines if line.startswith("  vllm (float32): started in "))
     assert "|trainer - sampler log-prob| mean " in speed
     mean = float(speed.split("mean ")[1].split(",")[0])
     assert mean < 1e-5  # fp32 on the CPU
-    assert lines[-2].startswith("vllm: greedy tokens equal to the loop's: ")
-    assert lines[-1] == "vllm: no sleep mode off CUDA"
+    assert lines[-2].startswith("  vllm: greedy tokens equal to the loop's: ")
+    assert lines[-1] == "  vllm: no sleep mode off CUDA"
 
 
 def test_vllm_is_imported_only_when_an_engine_is_made():

@@ -34,6 +34,7 @@ import cwgrpo
 from cwgrpo_utils import BASES, checkpoints, loading, plots
 from cwgrpo_utils.cli import arg, parse_dataclasses
 from cwgrpo_utils.lm_head import squared_probability_mass
+from cwgrpo_utils.precision import Precision
 from cwgrpo_utils.prompts import PromptStream
 from cwgrpo_utils.run_folder import append_record, keep_records_until, read_records
 from cwgrpo_utils.vllm_engine import Engine
@@ -302,10 +303,26 @@ def diagnostics_markdown(report: dict, cfg: cwgrpo.Config, source: str) -> str:
 
 
 # Options of a training run that one diagnosed batch has no use for: out of its --help, refused
-TRAINING_ONLY = ("resume", "overwrite_output_dir", "steps", "save_every", "save_total_limit")
-TRAINING_ONLY += ("log_every", "output_dir", "learning_rate", "min_lr_ratio", "warmup_ratio")
-TRAINING_ONLY += ("weight_decay", "max_grad_norm", "num_iterations", "report_to")
-TRAINING_ONLY += ("lora_rank", "lora_alpha", "lora_target_modules")  # it measures --model as it is
+TRAINING_ONLY = (
+    "resume",
+    "overwrite_output_dir",
+    "steps",
+    "save_every",
+    "save_total_limit",
+    "log_every",
+    "output_dir",
+    "learning_rate",
+    "min_lr_ratio",
+    "warmup_ratio",
+    "weight_decay",
+    "max_grad_norm",
+    "max_skipped_steps",
+    "num_iterations",
+    "report_to",
+    "lora_rank",  # it measures --model as it is
+    "lora_alpha",
+    "lora_target_modules",
+)
 
 
 def batch(argv: list) -> Path | None:
@@ -317,6 +334,7 @@ def batch(argv: list) -> Path | None:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = loading.resolve_device(cfg.device, "" if cfg.preset in BASES else cfg.preset)
+    precision = Precision.choose(cfg.precision, device)
     for path in filter(None, (cfg.model, bcfg.reference_model)):
         loading.check_model_path(path)
     transformers.utils.logging.disable_progress_bar()
@@ -324,16 +342,16 @@ def batch(argv: list) -> Path | None:
     model = loading.load_model(cfg.model, torch.float32, device)
     if cfg.gradient_checkpointing:
         loading.enable_checkpointing(model)
-    reference = (
-        loading.load_reference(bcfg.reference_model or cfg.model, device) if cfg.beta > 0 else None
-    )
-    autocast = loading.autocast(device)
+    reference = None
+    if cfg.beta > 0:
+        reference = loading.load_reference(bcfg.reference_model or cfg.model, precision)
+    autocast = precision.autocast
     torch.manual_seed(cfg.seed)
     dataset = loading.load_dataset(
         cfg.dataset, cfg.dataset_split, cfg.question_column, gold_column=cfg.gold_column
     )
     prompts = PromptStream(dataset, tokenizer, cfg)
-    engine = Engine.for_run(cfg, device) if cfg.rollout == "vllm" else None
+    engine = Engine.for_run(cfg, precision) if cfg.rollout == "vllm" else None
     grader = cwgrpo.Grader(cfg.reward_timeout_s, cfg.reward_workers)
     with autocast():
         batch_prompts = prompts.next_batch(cfg.prompts_per_step)

@@ -1,0 +1,86 @@
+"""What metrics.jsonl records of a training step, computed from cwgrpo.py's tensors: the rollout
+batch's figures (rewards, lengths, grading problems) and each update's, averaged over the valid
+tokens of every micro-batch (entropy, KL, clipping, the method's weights, the sampler-trainer
+mismatch). cwgrpo.py computes what is algorithm (the KL, the clipped tokens) and hands it in."""
+
+import torch
+
+from cwgrpo_utils import plots
+
+
+def rollout_metrics(rollout, formats: torch.Tensor, grades: list, group_size: int) -> dict:
+    """A scored rollout batch's figures (its rewards and accuracy set, formats its format
+    rewards); completions scored 0 unread (an unparseable gold, a grading cut off) are said once
+    and counted."""
+    group_std = rollout.rewards.view(-1, group_size).std(1)
+    metrics = {
+        "reward_mean": rollout.rewards.mean().item(),
+        "reward_std": rollout.rewards.std().item(),
+        "accuracy_mean": rollout.accuracy.mean().item(),
+        "format_mean": formats.mean().item(),
+        "frac_zero_std_groups": (group_std == 0).float().mean().item(),
+        "completion_len_mean": rollout.completion_mask.sum(1).mean().item(),
+        "truncated_frac": rollout.truncated.float().mean().item(),
+        "gold_unparseable": sum(not g.gold_parsed for g in grades),
+        "grading_timeouts": sum(g.timed_out for g in grades),
+    }
+    plots.warn_of_grading_problems(metrics)  # said once, summed at the end
+    return metrics
+
+
+def touched_tokens(terms) -> torch.Tensor:
+    """Tokens whose loss a method's TokenTerms changed: weighted other than 1, left out of the
+    pass, or given an extra term."""
+    touched = terms.pg_weight.detach() != 1
+    if terms.active is not None:
+        touched |= terms.active == 0
+    if terms.extra is not None:
+        touched |= terms.extra.detach() != 0
+    return touched
+
+
+def token_values(part, entropy, old_logp, kl, clipped, terms) -> dict:
+    """Per valid token of a micro-batch (a Rollout part), what update_metrics averages: the
+    entropy, the KL (k3; None without a reference), the PPO-clipped tokens, the method's terms'
+    weights and the tokens they touch, and the trainer's log-prob l (old_logp) against the
+    sampler's s."""
+    w = terms.pg_weight.detach()
+    active = torch.ones_like(w) if terms.active is None else terms.active
+    log_r = old_logp - part.sampler_logp
+    per_token = {
+        "entropy": entropy,
+        "kl": torch.zeros_like(w) if kl is None else kl,
+        "clipped": clipped,
+        "w": w,
+        "touched": touched_tokens(terms),
+        "pg_on": (w != 0) & (active != 0),
+        "sampler_diff": log_r.abs(),
+        "r": log_r.exp(),
+    }
+    return {name: values[part.completion_mask.bool()].float() for name, values in per_token.items()}
+
+
+def update_metrics(per_token: list[dict], loss: float, grad_norm: float, lr: float) -> dict:
+    """An update's metrics.jsonl figures from its micro-batches' per-token values (token_values:
+    entropy, kl, clipped, w, touched, pg_on, sampler_diff, r; one a valid token)."""
+    token = {name: torch.cat([part[name] for part in per_token]) for name in per_token[0]}
+    if not len(token["w"]):  # every completion masked (--mask-truncated-completions): a 0 step
+        token = {name: torch.zeros(1) for name in token}
+    w = token["w"]
+    return {
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "lr": lr,
+        **{f"{name}_mean": token[name].mean().item() for name in ("entropy", "kl", "w")},
+        "clip_frac": token["clipped"].mean().item(),
+        "touched_frac": token["touched"].mean().item(),
+        "pg_active_frac": token["pg_on"].mean().item(),
+        "w_min": w.min().item(),
+        "w_std": w.std().item() if len(w) > 1 else 0.0,
+        "w_max": w.max().item(),
+        "w_frac_below_half": (w < 0.5).float().mean().item(),
+        "w_frac_above_2": (w > 2).float().mean().item(),
+        "sampler_logp_diff_mean": token["sampler_diff"].mean().item(),
+        "sampler_logp_diff_max": token["sampler_diff"].max().item(),
+        **{f"sampler_ratio_{f}": getattr(token["r"], f)().item() for f in ("min", "mean", "max")},
+    }
