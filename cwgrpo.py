@@ -30,7 +30,7 @@ PRESETS = {
     ),
     # The paper's model and recipe on one 24 GB card under LoRA: 3,072 positions, 4 prompts at once
     "paper-1.5b-lora-24gb": {**LORA, "max_completion_length": 3072, "rollout_chunk": 4},
-    # ... on a free 16 GB T4 (fp16 by --precision auto): 1,536 positions, peak 12.8 of 14.7 GB
+    # ... on a free 16 GB T4 (fp16 by --precision auto): 1,536 positions, peak 13.1 of 14.7 GB
     "paper-1.5b-lora-16gb": {**LORA, "max_completion_length": 1536, "rollout_chunk": 4},
     # Qwen2.5-Math-7B with the paper's 7B recipe on one 80 GB card, under the same LoRA
     "paper-7b-lora-80gb": {
@@ -54,7 +54,7 @@ class Method:
     update_passes: int = 1  # lopti: a pass on the low-probability tokens, then one on the rest
     needs_stats: bool = False  # the batch's old log-probs and entropies, before the update
     needs_divergence: bool = False  # and ict's divergence, in the same pass
-    token_terms: Callable | None = None  # (Group, Config) -> TokenTerms, set by @registered
+    token_terms: Callable | None = None  # (Group, Config) -> TokenTerms, set in section 6
 
 
 # The methods --method chooses from; section 6 registers each one's token terms
@@ -190,6 +190,7 @@ class Config:
     # Memory and speed
     groups_per_micro_batch: int = arg(1, "whole groups per forward/backward; 0: all", ">= 0")
     rollout_chunk: int = arg(0, "prompts sampled at once (bounds the KV cache); 0: all", ">= 0")
+    share_prompts: bool = arg(True, "encode each group's prompt once, not once for each completion")
     gradient_checkpointing: bool = arg(True, "recompute activations in backward to save memory")
     logit_chunk_elements: int = arg(2**26, "logits the LM head holds at once", "> 0")
     device: str = arg("auto", "auto (cuda if present), cuda or cpu")
@@ -272,6 +273,7 @@ from cwgrpo_utils.lm_head import chunked_logprobs, ict_divergence
 from cwgrpo_utils.precision import Precision, SkippedSteps
 from cwgrpo_utils.prompts import PromptStream
 from cwgrpo_utils.run_folder import Progress, RunFolder
+from cwgrpo_utils.shared_prompt import completion_states
 from cwgrpo_utils.token_page import TokenPage
 from cwgrpo_utils.vllm_engine import Engine
 
@@ -334,7 +336,13 @@ def sample(model, tokenizer, batch: list[tuple[list[int], str]], cfg: Config, en
     )
     prompts = [ids for ids, _ in batch]
     rollout = generate_completions(
-        model, tokenizer, prompts, how=how, chunk=cfg.rollout_chunk, engine=engine
+        model,
+        tokenizer,
+        prompts,
+        how=how,
+        chunk=cfg.rollout_chunk,
+        engine=engine,
+        share=cfg.share_prompts,
     )
     rollout.golds = [gold for _, gold in batch for _ in range(cfg.group_size)]
     if cfg.mask_truncated_completions:  # out of the loss, not out of the reward
@@ -343,13 +351,16 @@ def sample(model, tokenizer, batch: list[tuple[list[int], str]], cfg: Config, en
 
 
 @torch.no_grad()
-def generate_completions(model, tokenizer, prompts, how: Sampling, chunk=0, engine=None):
+def generate_completions(
+    model, tokenizer, prompts, how: Sampling, chunk=0, engine=None, share=False
+):
     """how.n completions of each prompt as one Rollout. With chunk, that many prompts are sampled
     at a time, each chunk as if alone, which bounds the KV cache. With an engine, vLLM samples
-    (model None: an engine with weights of its own, evaluate.py's)."""
+    (model None: an engine with weights of its own, evaluate.py's); else section 2's loop, with
+    share each prompt prefilled once for its n rows."""
     if chunk and engine is None and chunk < len(prompts):  # a KV cache of `chunk` prompts at once
         parts = [
-            generate_completions(model, tokenizer, prompts[i : i + chunk], how)
+            generate_completions(model, tokenizer, prompts[i : i + chunk], how, share=share)
             for i in range(0, len(prompts), chunk)
         ]
         return Rollout.joined(parts, pad=tokenizer.pad_token_id)  # as if sampled in one batch
@@ -369,7 +380,7 @@ def generate_completions(model, tokenizer, prompts, how: Sampling, chunk=0, engi
     else:  # section 2's token loop
         steps = max(limits)
         ids, logp = sample_tokens(
-            model, prompt_ids, prompt_mask, how=how, steps=steps, eos=eos, pad=pad
+            model, prompt_ids, prompt_mask, how=how, steps=steps, eos=eos, pad=pad, share=share
         )
     ids = ids.to(device)  # (N, T), right-padded
     logp = logp.to(device)
@@ -392,12 +403,13 @@ def generate_completions(model, tokenizer, prompts, how: Sampling, chunk=0, engi
 
 
 @torch.no_grad()
-def sample_tokens(model, prompt_ids, prompt_mask, how: Sampling, steps: int, eos, pad, cache=None):
+def sample_tokens(model, prompt_ids, prompt_mask, how, steps, eos, pad, cache=None, share=False):
     """Autoregressive sampling with a KV cache for `steps` tokens at most, rows stopping at an EOS
     id. Only the temperature and the cuts shape the distribution, so the tokens come from the one
     whose log-probs the loss uses: generate() would add what the model's generation_config.json
     ships (a repetition penalty, say). The (B, T) tokens and their log-probs, 0 after an EOS.
-    `cache` is for the tests alone, which read what it held."""
+    With share, each group of how.n rows (one prompt) is prefilled once. `cache` is for the tests
+    alone, which read what it held."""
     attention = prompt_mask.clone()  # (B, P), then one column more each step
     positions = (attention.cumsum(1) - 1).clamp(min=0)  # left padding: count real tokens only
     # = DynamicCache(), keeping keys and values in bf16 under CUDA autocast (loading.py)
@@ -409,14 +421,19 @@ def sample_tokens(model, prompt_ids, prompt_mask, how: Sampling, steps: int, eos
     finished = torch.zeros(len(prompt_ids), dtype=torch.bool, device=prompt_ids.device)  # (B,)
     eos = torch.tensor(eos, device=prompt_ids.device)
     for step in range(steps):
+        prefill = step == 0
+        rows = slice(None, None, how.n) if prefill and share else slice(None)  # = every row
         logits = model(
-            input_ids=input_ids,
-            attention_mask=loading.attention_mask(model, attention) if step == 0 else attention,
-            position_ids=positions,
+            input_ids=input_ids[rows],
+            attention_mask=loading.attention_mask(model, attention[rows]) if prefill else attention,
+            position_ids=positions[rows],
             use_cache=True,
             logits_to_keep=1,
             **cache_argument,
         ).logits[:, -1]  # (B, vocab): the next token's
+        if prefill and share:  # each prompt's cache and first logits, repeated for its n rows
+            cache.batch_repeat_interleave(how.n)
+            logits = logits.repeat_interleave(how.n, 0)
         probs = (logits.float() / how.temperature).softmax(-1)
         if how.top_k:
             probs = probs * (probs >= probs.topk(how.top_k, -1).values[:, -1:])
@@ -494,16 +511,19 @@ class Grader(CachedTimeoutPool):
 def completion_logprobs(model, rollout: Rollout, cfg: Config):
     """(N, T) log-probs of the sampled completion tokens and the entropies there, 0 on padding;
     and the (N, T, hidden) states that predict them."""
-    input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)  # (N, P + T)
-    attention_mask_2d = torch.cat([rollout.prompt_mask, rollout.completion_mask.long()], 1)
-    position_ids = (attention_mask_2d.cumsum(1) - 1).clamp(min=0)  # as in sampling
-    # = attention_mask_2d, as a mask no fully padded query row can turn into NaN (loading.py)
-    mask = loading.attention_mask(model, attention_mask_2d)
-    hidden = model.get_decoder()(
-        input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False
-    ).last_hidden_state  # (N, P + T, hidden)
-    prompt_width = rollout.prompt_ids.shape[1]
-    hidden = hidden[:, prompt_width - 1 : -1]  # (N, T, hidden): position t predicts token t
+    if cfg.share_prompts:  # = the pass below, each group's prompt encoded once (shared_prompt.py)
+        hidden = completion_states(model.get_decoder(), rollout, cfg.group_size)
+    else:  # the decoder over each row's [prompt, completion]
+        input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)  # (N, P + T)
+        attention_mask_2d = torch.cat([rollout.prompt_mask, rollout.completion_mask.long()], 1)
+        position_ids = (attention_mask_2d.cumsum(1) - 1).clamp(min=0)  # as in sampling
+        # = attention_mask_2d, as a mask no fully padded query row can turn into NaN (loading.py)
+        mask = loading.attention_mask(model, attention_mask_2d)
+        hidden = model.get_decoder()(
+            input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state  # (N, P + T, hidden)
+        prompt_width = rollout.prompt_ids.shape[1]
+        hidden = hidden[:, prompt_width - 1 : -1]  # (N, T, hidden): position t predicts token t
     valid = rollout.completion_mask.bool()
     head = model.get_output_embeddings().weight  # (vocab, hidden)
     # = log_softmax(hidden @ head.T / T).gather(targets) and its entropy, a chunk of positions at
@@ -599,13 +619,6 @@ class TokenTerms(NamedTuple):
     active: torch.Tensor | None = None  # (G, T) tokens whose PG and KL terms count in this pass
 
 
-def registered(token_terms: Callable) -> Callable:
-    """A method's token terms, as its METHODS entry's (the function is named after the method)."""
-    METHODS[token_terms.__name__].token_terms = token_terms
-    return token_terms
-
-
-@registered
 def grpo(group: Group, cfg: Config) -> TokenTerms:
     return TokenTerms(group.mask)  # w = 1 (Shao et al. 2024)
 
@@ -662,7 +675,6 @@ def cw_weights(logp, adv, mask, *, norm: str = "padded", detach: bool = False) -
     return weights.detach() if detach else weights  # 7.
 
 
-@registered
 def cw(group: Group, cfg: Config) -> TokenTerms:
     weights = cw_weights(
         group.logp, group.advantages, group.mask, norm=cfg.cw_norm, detach=cfg.cw_detach
@@ -687,7 +699,6 @@ def ppo_clipped(ratio: torch.Tensor, adv: torch.Tensor, cfg: Config) -> torch.Te
     return low | high
 
 
-@registered
 def clip_cov(group: Group, cfg: Config) -> TokenTerms:
     """Clip-Cov (Cui et al. 2025): zero the loss of a few random tokens with lb < C < ub."""
     cov = token_covariance(group.logp, group.advantages, group.mask)
@@ -702,7 +713,6 @@ def clip_cov(group: Group, cfg: Config) -> TokenTerms:
     return TokenTerms(weight)
 
 
-@registered
 def kl_cov(group: Group, cfg: Config) -> TokenTerms:
     """KL-Cov (Cui et al. 2025): no clipping; |logp - old_logp| on the top-k tokens by C."""
     cov = token_covariance(group.logp, group.advantages, group.mask)
@@ -714,14 +724,12 @@ def kl_cov(group: Group, cfg: Config) -> TokenTerms:
     return TokenTerms(group.mask, extra=extra)
 
 
-@registered
 def ar(group: Group, cfg: Config, alpha: float | None = None) -> TokenTerms:
     """Advantage reweighting (Yang et al. 2025, Eq. 4): w = alpha p_old + 1 - alpha, constant."""
     alpha = cfg.ar_alpha if alpha is None else alpha
     return TokenTerms((alpha * group.old_logp.exp() + 1 - alpha) * group.mask)
 
 
-@registered
 def lopti(group: Group, cfg: Config, eta: float | None = None, w=None) -> TokenTerms:
     """Lopti (Yang et al. 2025): pass 0 updates the tokens with p_old < eta, pass 1 the rest."""
     low = group.old_logp.exp() < (cfg.lopti_eta if eta is None else eta)
@@ -729,7 +737,6 @@ def lopti(group: Group, cfg: Config, eta: float | None = None, w=None) -> TokenT
     return TokenTerms(group.mask if w is None else w, active=active)
 
 
-@registered
 def ar_lopti(group: Group, cfg: Config) -> TokenTerms:
     weights = ar(group, cfg, alpha=cfg.ar_lopti_alpha).pg_weight
     return lopti(group, cfg, eta=cfg.ar_lopti_eta, w=weights)
@@ -740,7 +747,6 @@ def renormalised(keep: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return keep * mask.sum(1, keepdim=True) / keep.sum(1, keepdim=True).clamp(min=1)
 
 
-@registered
 def ict(group: Group, cfg: Config) -> TokenTerms:
     """ICT (Beyond Entropy, 2026): keep each response's top positions by JS divergence."""
     keep_counts = (cfg.ict_keep_frac * group.mask.sum(1)).ceil().clamp(min=1)  # (G,)
@@ -760,20 +766,23 @@ def sorted_quantile(sorted_values: torch.Tensor, q: float) -> torch.Tensor:
     return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
 
 
-@registered
 def entropy20(group: Group, cfg: Config) -> TokenTerms:
     """80/20 (Wang et al. 2025): PG only on tokens at or above the batch's 80th entropy pct."""
     threshold = sorted_quantile(group.batch_entropy, 1 - cfg.entropy_top_frac)
     return TokenTerms(group.mask * (group.entropy >= threshold))
 
 
-@registered
 def stapo(group: Group, cfg: Config) -> TokenTerms:
     """STAPO (2026): silence positive-advantage tokens that are rare and low-entropy."""
     threshold = sorted_quantile(group.batch_entropy, cfg.stapo_entropy_percentile / 100)
     spurious = (group.advantages[:, None] > 0) & (group.old_logp.exp() < cfg.stapo_max_prob)
     spurious &= group.entropy < threshold
     return TokenTerms(renormalised(group.mask * ~spurious, group.mask))
+
+
+# Each METHODS entry's token terms: the function of its name above
+for token_terms in (grpo, cw, clip_cov, kl_cov, ar, lopti, ar_lopti, ict, entropy20, stapo):
+    METHODS[token_terms.__name__].token_terms = token_terms
 
 
 @torch.no_grad()
@@ -1015,9 +1024,14 @@ def training_loop(cfg, model, reference, tokenizer, prompts, grader, engine, run
     checkpoints.save_checkpoint(run.path, "final-model", model=final, tokenizer=tokenizer)
 
 
-def train(cfg: Config, on_rollout: Callable | None = None) -> Path:
-    """Everything a run needs, then the training loop. on_rollout(step, model, rollout, autocast),
-    a hook for the tools (tools/diagnose.py), sees each scored rollout batch before the update."""
+def train(cfg: Config, on_rollout: Callable | None = None) -> Path | None:
+    """Everything a run needs, then the training loop (--plan: its memory and disk instead).
+    on_rollout(step, model, rollout, autocast), a hook for the tools (tools/diagnose.py), sees each
+    scored rollout batch before the update."""
+    if cfg.plan:  # before anything loads
+        tiny.build_if_missing(cfg.model)
+        print(memory_plan.report(cfg.model, memory_plan.PlanOptions.of(cfg)))
+        return None
     start = time.perf_counter()
     device = loading.resolve_device(cfg.device, "" if cfg.preset in CPU_PRESETS else cfg.preset)
     precision = Precision.choose(cfg.precision, device)  # by the card: bf16, fp16 on 7.x, fp32
@@ -1028,12 +1042,8 @@ def train(cfg: Config, on_rollout: Callable | None = None) -> Path:
     with RunFolder.for_run(cfg) as run:
         cfg = dataclasses.replace(cfg, model=presets.ready(cfg.model, cfg.dataset))  # CPU presets
         if device.type == "cuda":  # before anything loads: a run that cannot fit stops here
-            free, total = torch.cuda.mem_get_info()
             recipes = {n: Config(preset=n, **v) for n, v in PRESETS.items() if n not in CPU_PRESETS}
-            plan = memory_plan.PlanOptions.of(cfg)
-            memory_plan.check_fit(
-                cfg.model, plan, free_bytes=free, total_bytes=total, recipes=recipes
-            )
+            memory_plan.check_fit_on_gpu(cfg.model, memory_plan.PlanOptions.of(cfg), recipes)
         loading.check_model_path(cfg.model)
         if run.finished(cfg.steps):
             return run.path
@@ -1072,13 +1082,5 @@ def train(cfg: Config, on_rollout: Callable | None = None) -> Path:
     return run.path
 
 
-def main(cfg: Config, on_rollout: Callable | None = None) -> None:
-    if cfg.plan:  # the memory and disk a run needs, before anything loads
-        tiny.build_if_missing(cfg.model)
-        print(memory_plan.report(cfg.model, memory_plan.PlanOptions.of(cfg)))
-        return
-    train(cfg, on_rollout)
-
-
 if __name__ == "__main__":
-    main(CONFIG)
+    train(CONFIG)

@@ -916,12 +916,14 @@ def test_no_query_row_is_fully_masked_and_real_rows_are_unchanged():
     assert loading.attention_mask(model, torch.tensor([[1, 1, 0], [1, 1, 1]])) is None
 
 
-def test_log_probs_without_a_mask_equal_those_with_one_where_no_row_is_left_padded():
+@pytest.mark.parametrize("share", [False, True])
+def test_log_probs_without_a_mask_equal_those_with_one_where_no_row_is_left_padded(share):
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(**SMALL_SHAPE))
-    cfg = cwgrpo.parse_config([])
+    cfg = cwgrpo.parse_config(["--group-size", "3", "--share-prompts", str(share)])
+    prompts = torch.randint(0, 300, (1 if share else 3, 6))  # shared: a group of 3 rows
     rollout = cwgrpo.Rollout(
-        torch.randint(0, 300, (3, 6)),
+        prompts.expand(3, 6),
         torch.ones(3, 6).long(),
         torch.randint(0, 300, (3, 7)),
         torch.tensor([[1.0] * 7, [1.0] * 4 + [0.0] * 3, [1.0] * 2 + [0.0] * 5]),

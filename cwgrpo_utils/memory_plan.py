@@ -158,6 +158,7 @@ class PlanOptions:
     length_limit: str  # "total": prompt + completion within max_completion_length; "new"
     beta: float  # 0: no reference model
     gradient_checkpointing: bool
+    share_prompts: bool  # a group's prompt encoded once (shared_prompt.py)
     logit_chunk_elements: int
     lora_rank: int  # 0: full fine-tuning; else a frozen base under an adapter of this rank
     lora_target_modules: str
@@ -209,25 +210,7 @@ def plan(model: str, options: PlanOptions, cuda: bool = True) -> dict:
     half = 2 if cuda else 4  # bf16 or fp16 on CUDA (autocast, reference, KV cache), else fp32
     matmul_weights = n - (0 if arch.tied else arch.vocab * arch.hidden)  # embeddings are looked up
     tokens = micro_rows * positions
-    # the fp32 residual stream at a layer boundary, and the LM head's input: each completion
-    # token's final hidden state (lm_head.py recomputes the logits in backward)
-    stream, head = (
-        tokens * arch.hidden * 4,
-        micro_rows * options.max_completion_length * arch.hidden * 4,
-    )
-    # a layer's activations. LoRA: the frozen norms keep no normalised input for their weights'
-    # gradient (2 H fp32), and each adapter's B keeps its r-wide A x (measured on the CPU with
-    # every linear layer adapted; with fewer, the frozen layers keep less, so this is an upper
-    # bound). The final norm keeps 2 H; frozen, only its input, where no layer keeps it already.
-    adapters_per_layer = len(arch.adapted(targets)) // arch.layers if rank else 0
-    lora_change = half * rank * adapters_per_layer - 2 * arch.hidden * 4 if rank else 0
-    layer = tokens * (layer_activation_bytes(arch, cuda) + lora_change)
-    final_norm = stream * (options.gradient_checkpointing if rank else 2)
-    if options.gradient_checkpointing:  # each layer's input, the final norm's; one recomputed
-        saved, recompute = stream * arch.layers + final_norm + tokens * 12 + head, layer
-    else:  # every layer's activations, the final norm's and the rotary tables
-        rotary = tokens * 4 * (arch.head_dim // 2 + 3)
-        saved, recompute = layer * arch.layers + final_norm + rotary + head, 0
+    saved, recompute = activations(arch, options, cuda)
     if rank:  # a frozen base (bf16 on CUDA), which with the adapter off is also the reference
         weights = {"frozen base weights": half * n, "LoRA adapter (fp32)": 4 * trained}
     else:
@@ -271,6 +254,53 @@ def plan(model: str, options: PlanOptions, cuda: bool = True) -> dict:
         "rows": options.rows,
         "positions": positions,
     }
+
+
+def activations(arch: Architecture, options: PlanOptions, cuda: bool) -> tuple[int, int]:
+    """The bytes a micro-batch's update saves for backward, and what its backward recomputes at
+    once under gradient checkpointing (a layer, or shared the whole prompt pass if more).
+
+    Unshared, the decoder over rows x (prompt + completion) tokens. Shared (--share-prompts): the
+    prompts' pass over a row a group, then the completions' against their keys and values. Left
+    padding (prompts of different lengths) gives each attention a mask and transformers' SDPA
+    then repeats the KV heads to every query head (masked_layer). Checkpointed, the prompt pass
+    keeps only its keys and values. Measured on the CPU (tests/test_plan.py) at five shapes.
+    LoRA: the frozen norms keep no normalised input for their weights' gradient (2 H fp32), and
+    each adapter's B keeps its r-wide A x (measured with every linear layer adapted; with fewer,
+    the frozen layers keep less, so this is an upper bound)."""
+    rows, rank, hidden = options.micro_rows, options.lora_rank, arch.hidden
+    adapters_per_layer = len(arch.adapted(options.lora_target_modules)) // arch.layers
+    lora_change = (2 if cuda else 4) * rank * adapters_per_layer - 2 * hidden * 4 if rank else 0
+    head = rows * options.max_completion_length * hidden * 4  # the LM head's input (lm_head.py)
+    completion, positions = options.max_completion_length, options.positions
+    if options.share_prompts:  # completions of up to max_completion_length, within positions
+        prompts, prompt = rows // options.group_size, options.max_prompt_length
+        layer = masked_layer(arch, cuda, rows, completion, positions, lora_change)
+        prompt_layer = masked_layer(arch, cuda, prompts, prompt, prompt, lora_change)
+        completions, prompt_tokens = rows * completion, prompts * prompt
+    else:
+        layer = masked_layer(arch, cuda, rows, positions, positions, lora_change)
+        completions, prompt_tokens, prompt_layer = rows * positions, 0, 0
+    if options.gradient_checkpointing:  # each layer's input, the final norm's
+        checkpointed = completions * hidden * 4 * (arch.layers + 2 - (rank > 0))
+        recomputed = max(layer, prompt_layer * arch.layers)  # the prompt pass is one checkpoint
+        return checkpointed + rows * options.positions * 12 + head, recomputed
+    tokens = completions + prompt_tokens
+    final_norm = 0 if rank else 2 * tokens * hidden * 4  # frozen: only its input, kept anyway
+    rotary = tokens * 4 * (arch.head_dim // 2 + 3)
+    return (layer + prompt_layer) * arch.layers + final_norm + rotary + head, 0
+
+
+def masked_layer(
+    arch: Architecture, cuda: bool, rows: int, queries: int, keys: int, lora_change: int
+) -> int:
+    """Bytes one decoder layer saves for rows of `queries` tokens, each attending under a mask to
+    its row's `keys` positions: layer_activation_bytes's a query token, the keys and values
+    repeated to every query head, and the mask, one element a query and key."""
+    element = 2 if cuda else 4  # what autocast computes in
+    per_query = layer_activation_bytes(arch, cuda) + lora_change - 2 * arch.kv_width * element
+    repeated = keys * 2 * arch.heads * arch.head_dim * element
+    return rows * (queries * per_query + repeated + queries * keys * element)
 
 
 def layer_activation_bytes(arch: Architecture, cuda: bool) -> int:
@@ -442,6 +472,12 @@ def check_fit(
         f"{free_bytes / GB:.1f} GB free (largest: {named}); on this card: {fit}; "
         f"python cwgrpo.py ... --plan shows the whole plan"
     )
+
+
+def check_fit_on_gpu(model: str, options: PlanOptions, recipes: dict) -> None:
+    """check_fit on this process's CUDA card, its free and total memory as CUDA reports them."""
+    free, total = torch.cuda.mem_get_info()
+    check_fit(model, options, free_bytes=free, total_bytes=total, recipes=recipes)
 
 
 class OutOfMemory:

@@ -43,6 +43,7 @@ RESUME_MAY_CHANGE = (
     "rollout_chunk",
     "groups_per_micro_batch",
     "gradient_checkpointing",
+    "share_prompts",
     "logit_chunk_elements",
     "vllm_gpu_memory_utilization",
 )

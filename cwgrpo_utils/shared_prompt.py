@@ -7,6 +7,10 @@ each row's copy of it would get.
 
     hidden = completion_states(model.get_decoder(), rollout, group_size)   # (N, T, hidden)
 
+The completions' pass runs over rows sorted by length in buckets, each padded only to its own
+longest row (length_buckets): a batch's one truncated completion no longer pads every other row
+to the length limit. Rows are independent there, so this changes nothing but rounding.
+
 Under gradient checkpointing transformers turns a layer's cache off in training (its recompute
 would write the cache a second time). Here the completions read the prompt's keys and values
 from a cache that stores nothing (PromptCache), so each layer is checkpointed with it as usual;
@@ -15,6 +19,7 @@ recomputing it in backward, so the checkpointing saving holds.
 """
 
 import contextlib
+import math
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -26,18 +31,19 @@ from cwgrpo_utils import loading
 
 class PromptCache(DynamicCache):
     """The prompts' keys and values (one row a group) for the completions' pass, read-only:
-    update returns each layer's, repeated for the group's rows and followed by the completions'
-    own, and stores nothing, so a checkpointed layer's recompute reads what its first pass read."""
+    update returns each layer's, one row a completion row (its group's), followed by the
+    completions' own, and stores nothing, so a checkpointed layer's recompute reads what its first
+    pass read."""
 
-    def __init__(self, layers: list, group_size: int):
+    def __init__(self, layers: list, groups: torch.Tensor):
         super().__init__()
         self.layers = layers  # the prompt pass's, (prompts, KV heads, P, head dim) each
-        self.group_size = group_size
+        self.groups = groups  # (rows,): each completion row's prompt
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         layer = self.layers[layer_idx]
-        keys = torch.cat([layer.keys.repeat_interleave(self.group_size, 0), key_states], -2)
-        values = torch.cat([layer.values.repeat_interleave(self.group_size, 0), value_states], -2)
+        keys = torch.cat([layer.keys[self.groups], key_states], -2)
+        values = torch.cat([layer.values[self.groups], value_states], -2)
         return keys, values
 
 
@@ -69,7 +75,7 @@ def prompt_pass(decoder, prompt_ids, prompt_mask):
             input_ids=prompt_ids,
             attention_mask=loading.attention_mask(decoder, prompt_mask),
             position_ids=positions,
-            use_cache=True,
+            use_cache=False,  # the layers fill the cache they are handed
             **loading.cache_argument(decoder, cache),  # {"cache": cache}, by version
         ).last_hidden_state
     keys = tuple(layer.keys for layer in cache.layers)
@@ -83,6 +89,11 @@ def completion_states(decoder, rollout, group_size: int) -> torch.Tensor:
     completion_mask (N, T)), the prompt encoded once a group."""
     prompt_ids = rollout.prompt_ids[::group_size]  # (prompts, P): one row a group
     prompt_mask = rollout.prompt_mask[::group_size]
+    if not torch.equal(prompt_ids.repeat_interleave(group_size, 0), rollout.prompt_ids):
+        raise ValueError(
+            f"share_prompts: rows of a group of {group_size} hold different prompts; "
+            "share them only where each group of rows answers one prompt (--no-share-prompts)"
+        )
     checkpointed = any(
         m.gradient_checkpointing
         for m in decoder.modules()
@@ -94,19 +105,64 @@ def completion_states(decoder, rollout, group_size: int) -> torch.Tensor:
         )
     else:
         last, keys, values = prompt_pass(decoder, prompt_ids, prompt_mask)
+    first = last.repeat_interleave(group_size, 0)[:, None]  # (N, 1, hidden): predicts token 0
     cache = DynamicCache()
     for layer, (layer_keys, layer_values) in enumerate(zip(keys, values)):
         cache.update(layer_keys, layer_values, layer)
-    shared = PromptCache(cache.layers, group_size)
-    mask = torch.cat([rollout.prompt_mask, rollout.completion_mask.long()], 1)  # (N, P + T)
+    fed = rollout.completion_ids[:, :-1]  # (N, T - 1): the last token predicts nothing
+    mask = torch.cat([rollout.prompt_mask, rollout.completion_mask[:, :-1].long()], 1)
     positions = (mask.cumsum(1) - 1).clamp(min=0)[:, prompt_ids.shape[1] :]  # as the plain pass
+    needed = (rollout.completion_mask.sum(1).long() - 1).clamp(min=0)  # (N,) fed tokens that count
+    parts, order = [], []
+    for rows in length_buckets(needed):  # rows of like lengths, each padded to its own longest
+        width = int(needed[rows].max())
+        states = first[rows, :0]  # (rows, 0, hidden): no token to feed
+        if width:
+            states = decoder_states(
+                decoder,
+                fed[rows, :width],
+                attention_mask=mask[rows, : prompt_ids.shape[1] + width],
+                position_ids=positions[rows, :width],
+                cache=PromptCache(cache.layers, rows // group_size),
+            )  # (rows, width, hidden): completion token t predicts token t + 1
+        parts.append(torch.nn.functional.pad(states, (0, 0, 0, fed.shape[1] - width)))
+        order.append(rows)
+    hidden = torch.cat(parts)[torch.cat(order).argsort()]  # (N, T - 1, hidden), rows in order
+    return torch.cat([first, hidden], 1)[:, : rollout.completion_ids.shape[1]]
+
+
+def decoder_states(decoder, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+    """The decoder's last hidden states over completion tokens that attend to the prompts' keys
+    and values in `cache`."""
     with layer_checkpointing(decoder, _can_checkpoint_with_cache=True):
-        hidden = decoder(
-            input_ids=rollout.completion_ids,
-            attention_mask=mask,
-            position_ids=positions,
-            use_cache=True,
-            **loading.cache_argument(decoder, shared),
-        ).last_hidden_state  # (N, T, hidden): completion position t predicts token t + 1
-    first = last.repeat_interleave(group_size, 0)[:, None]  # (N, 1, hidden): predicts token 0
-    return torch.cat([first, hidden[:, :-1]], 1)
+        return decoder(
+            input_ids=input_ids,
+            attention_mask=attention_mask,  # (rows, P + width)
+            position_ids=position_ids,
+            use_cache=False,  # the layers read the cache they are handed; it keeps nothing
+            **loading.cache_argument(decoder, cache),
+        ).last_hidden_state
+
+
+PASS_POSITIONS = 256  # what one more pass costs, in padded positions (on a CPU: far less)
+
+
+def length_buckets(lengths: torch.Tensor) -> list[torch.Tensor]:
+    """Rows sorted by length, split into buckets that minimise the padded positions computed,
+    each bucket counting PASS_POSITIONS more (one bucket where splitting saves less): the row
+    indices of each. Exact dynamic programming over the sorted lengths."""
+    order = lengths.argsort(stable=True)
+    ordered = lengths[order].tolist()
+    n = len(ordered)
+    best = [0] + [math.inf] * n  # best[j]: the cheapest split of the first j sorted rows
+    start = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):  # the last bucket holds sorted rows i .. j - 1, as wide as row j - 1
+            cost = best[i] + (j - i) * ordered[j - 1] + PASS_POSITIONS
+            if cost < best[j]:
+                best[j], start[j] = cost, i
+    buckets, j = [], n
+    while j > 0:
+        buckets.append(order[start[j] : j])
+        j = start[j]
+    return buckets[::-1]

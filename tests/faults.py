@@ -100,4 +100,4 @@ if __name__ == "__main__":
         arm(os.environ["CWGRPO_FAULT"])
     # what resume_command() prints is then the command of python cwgrpo.py, as mimicked here
     sys.argv, sys.modules["__main__"].__spec__ = [str(cwgrpo.__file__), *sys.argv[1:]], None
-    cwgrpo.main(cwgrpo.parse_config(sys.argv[1:]))
+    cwgrpo.train(cwgrpo.parse_config(sys.argv[1:]))

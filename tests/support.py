@@ -71,10 +71,15 @@ def tensorboard_records(run: Path) -> list[dict]:
 
 def saved_activation_bytes(model, cfg, rows: int, prompt: int, new: int) -> int:
     """The bytes completion_logprobs keeps for backward on a batch of random tokens of rows x
-    (prompt + new): the unique storages saved_tensors_hooks sees, the weights left out."""
+    (prompt + new), rows in groups of cfg.group_size sharing a prompt as a rollout's do, the
+    last group's prompt 3 tokens shorter (left padding, as prompts of different lengths have):
+    the unique storages saved_tensors_hooks sees, the weights left out."""
     vocab = model.config.vocab_size
+    prompts = torch.randint(0, vocab, (rows // cfg.group_size, prompt))
+    prompt_mask = torch.ones(rows, prompt).long()
+    prompt_mask[-cfg.group_size :, :3] = 0
     rollout = cwgrpo.Rollout(
-        torch.randint(0, vocab, (rows, prompt)), torch.ones(rows, prompt).long(),
+        prompts.repeat_interleave(cfg.group_size, 0), prompt_mask,
         torch.randint(0, vocab, (rows, new)), torch.ones(rows, new),
         torch.zeros(rows, dtype=torch.bool), [""] * rows, torch.zeros(rows, new),
     )  # fmt: skip

@@ -185,7 +185,7 @@ def test_a_short_vllm_run_learns_as_the_hf_one_does(tiny_base, tmp_path):
     for rollout in ("hf", "vllm"):
         out = tmp_path / rollout
         args = tiny_run_args(tiny_base, out, "--steps", "100", "--rollout", rollout)
-        cwgrpo.main(cwgrpo.parse_config(args))
+        cwgrpo.train(cwgrpo.parse_config(args))
         records = read_metrics(out / "metrics.jsonl")
         gains[rollout] = accuracy(records, False) - accuracy(records, True)
         if rollout == "vllm":

@@ -330,7 +330,7 @@ def batch(argv: list) -> Path | None:
     prog = "python -m tools.diagnose batch"
     cfg, bcfg = cwgrpo.parse_config(argv, BatchConfig, hidden=TRAINING_ONLY, prog=prog)
     if cfg.plan:  # the memory a run's step needs: the batch's sampling and gradients, as here
-        return cwgrpo.main(cfg)
+        return cwgrpo.train(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = loading.resolve_device(cfg.device, "" if cfg.preset in BASES else cfg.preset)
@@ -391,7 +391,7 @@ def train(argv: list) -> None:
 
     if cfg.resume:
         keep_records_until(path, resumed_step(Path(cfg.output_dir)))
-    return cwgrpo.main(cfg, on_rollout)
+    return cwgrpo.train(cfg, on_rollout)
 
 
 def resumed_step(output_dir: Path) -> int:
