@@ -431,7 +431,8 @@ def main(cfg: EvalConfig) -> None:
     output_dir = Path(cfg.output_dir or default_output_dir(source))
     if cfg.checkpoints:
         evaluate_checkpoints(cfg, output_dir)
-        print(f"done: {output_dir / 'checkpoints.md'}")
+        print((output_dir / "checkpoints.md").read_text())
+        print(f"written: {output_dir / 'checkpoints.md'} and {output_dir / 'checkpoints.png'}")
         return
     model = presets.ready(cfg.model)  # a CPU preset's model, built here on first use
     loading.check_model_path(model)  # before the output folder exists

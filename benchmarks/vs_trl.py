@@ -35,6 +35,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 import cwgrpo
 from cwgrpo_utils import tiny
+from cwgrpo_utils.cli import require
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -176,6 +177,9 @@ def main() -> None:
     parser.add_argument("--trainer", choices=["cwgrpo", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--base-model", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    require("trl", "benchmarks/vs_trl.py")
+    if "vllm" in args.rollouts.split(","):
+        require("vllm", "benchmarks/vs_trl.py --rollouts vllm")
     cwgrpo.transformers.utils.logging.set_verbosity_error()
     if args.trainer:
         with tempfile.TemporaryDirectory() as tmp:

@@ -36,6 +36,8 @@ OPTIONAL = {
     "tensorboard": ("TensorBoard", "pip install tensorboard"),
     "wandb": ("Weights & Biases", "pip install wandb"),
     "trackio": ("trackio", "pip install trackio"),
+    "trl": ("TRL", "pip install trl==1.16.0 (the version measured)"),
+    "verl": ("verl", "pip install verl==0.9.1 math-verify, in a venv of its own (docs/verl.md)"),
 }
 
 

@@ -5,7 +5,7 @@ python -m cwgrpo_verl --dataset knoveleng/open-rs --output-dir data/open-rs-verl
 
 import argparse
 
-from cwgrpo_verl import convert
+from cwgrpo_verl.data import convert
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
 parser.add_argument(

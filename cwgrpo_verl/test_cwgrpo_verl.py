@@ -18,7 +18,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from verl.utils.config import omega_conf_to_dataclass  # noqa: E402
 
 import cwgrpo  # noqa: E402
-import cwgrpo_verl  # noqa: E402
+from cwgrpo_verl import losses  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,7 +59,7 @@ def loss_and_grad(fn, logp, *args, **kwargs):
 
 
 def test_every_name_resolves_through_verls_registry():
-    for name in cwgrpo_verl.VERL_METHODS:
+    for name in losses.VERL_METHODS:
         assert callable(core_algos.get_policy_loss_fn(name))
 
 
@@ -80,11 +80,11 @@ def test_verl_loads_the_module_through_its_external_module_hook():
     assert "cwgrpo_cw_policy_loss" in out.stdout
 
 
-@pytest.mark.parametrize("name", list(cwgrpo_verl.VERL_METHODS))
+@pytest.mark.parametrize("name", list(losses.VERL_METHODS))
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 def test_registered_loss_equals_cwgrpos_loss_path(name, mode):
     old, logp, advantages, mask = tensors(0)
-    method, overrides = cwgrpo_verl.VERL_METHODS[name]
+    method, overrides = losses.VERL_METHODS[name]
     torch.manual_seed(1)
     verl_loss, verl_grad, metrics = loss_and_grad(
         core_algos.get_policy_loss_fn(name),
@@ -185,34 +185,3 @@ def test_kl_cov_agrees_with_verls_kl_cov_and_the_default_ratio_differs():
         torch.testing.assert_close(results[1][0], results[0][0])
         penalised = results[1][2]["actor/cwgrpo_touched_frac"] * n_valid
         assert penalised == pytest.approx(max(1, int(ratio * n_valid)))
-
-
-def test_converter_and_reward_in_verls_formats(tmp_path):
-    data = tmp_path / "open-rs-sample.jsonl"
-    data.write_text(
-        '{"problem": "What is 1/2 + 1/4?", '
-        '"solution": "It is $\\\\boxed{\\\\frac{3}{4}}$.", "level": 1}\n'
-    )
-    path = cwgrpo_verl.convert(str(data), str(tmp_path / "verl"))
-    import pandas
-
-    row = pandas.read_parquet(path).iloc[0]
-    assert [m["role"] for m in row["prompt"]] == ["system", "user"] and row["prompt"][1][
-        "content"
-    ] == "What is 1/2 + 1/4?"
-    assert (
-        row["reward_model"]["style"] == "rule"
-        and "frac{3}{4}" in row["reward_model"]["ground_truth"]
-    )
-    good = "<think>\nadd\n</think>\n<answer>\\boxed{0.75}</answer>"
-    assert cwgrpo_verl.compute_score("open-rs", good, row["reward_model"]["ground_truth"]) == 2.0
-    assert (
-        cwgrpo_verl.compute_score(
-            "open-rs", good, row["reward_model"]["ground_truth"], {"format_weight": 0}
-        )
-        == 1.0
-    )
-    assert (
-        cwgrpo_verl.compute_score("open-rs", "\\boxed{1}", row["reward_model"]["ground_truth"])
-        == 0.0
-    )

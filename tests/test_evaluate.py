@@ -115,7 +115,7 @@ def test_evaluate_rejects_unknown_benchmark(tiny_run):
     ).exists()  # no empty folder
 
 
-def test_evaluate_checkpoints_writes_the_stability_table(tiny_run, tmp_path):
+def test_evaluate_checkpoints_writes_the_stability_table(tiny_run, tmp_path, capsys):
     bench = tmp_path / "arith.jsonl"
     bench.write_text(
         "".join(json.dumps({"problem": f"{a}+1", "answer": str(a + 1)}) + "\n" for a in range(3))
@@ -142,6 +142,10 @@ def test_evaluate_checkpoints_writes_the_stability_table(tiny_run, tmp_path):
     )
     table = (out / "checkpoints.md").read_text()
     assert "| benchmark | step 2 | step 4 |" in table and "| arith |" in table
+    printed = capsys.readouterr().out  # the table, as one model's is printed
+    assert printed.endswith(
+        f"{table}\nwritten: {out / 'checkpoints.md'} and {out / 'checkpoints.png'}\n"
+    )
     assert (out / "checkpoint-2" / "results.json").is_file() and (
         out / "checkpoint-4" / "results.md"
     ).is_file()

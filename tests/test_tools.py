@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import pandas
 import pytest
 import torch
 
@@ -16,6 +17,7 @@ import cwgrpo
 from cwgrpo import Grader
 from cwgrpo_utils import cli, loading, plots, tiny
 from cwgrpo_utils.prompts import PromptStream
+from cwgrpo_verl import data
 from tests.support import ROOT, read_metrics, run_cli
 from tools import ablate, diagnose
 
@@ -318,13 +320,14 @@ def test_ablate_never_reuses_a_run_made_with_other_options(tmp_path, tiny_base, 
     with pytest.raises(SystemExit) as error:
         ablate.ablate([*base, *run_args, "--steps", "3"])
     assert str(error.value) == (
-        f"error: 1 runs in {tmp_path} were made with other options: grpo-seed0 (--steps 2 -> 3); "
+        f"error: 1 run in {tmp_path} was made with other options: grpo-seed0 (--steps 2 -> 3); "
         f"pass --rerun-changed to redo them, or choose another --output-dir"
     )
     ablate.ablate([*base, "--rerun-changed", *run_args, "--steps", "3"])
     assert len(read_metrics(tmp_path / "grpo-seed0" / "metrics.jsonl")) == 3
     table = (tmp_path / "ablation.md").read_text()
     assert "± n/a" in table and "± 0.000" not in table  # one seed: no interval
+    assert ": 1 run, " in table and "over seed 0 (one run: no interval)" in table
     printed = capsys.readouterr().out  # it ends by printing the table it wrote
     assert printed.endswith(f"{table}\nwritten: {tmp_path / 'ablation'}.md\n")
 
@@ -384,3 +387,29 @@ def test_gpu_check_without_a_gpu_is_one_line_naming_tiny():
         "error: benchmarks.gpu_check measures a CUDA GPU and none was found; "
         "python -m benchmarks.gpu_check --tiny runs the same path at tiny shapes on the CPU"
     )
+
+
+def test_the_verl_converter_and_reward_need_no_verl(tmp_path):
+    """python -m cwgrpo_verl in this venv, which has no verl (CI's main one), as docs/verl.md
+    gives it; the parquet in verl's format and the reward verl would call."""
+    sample = tmp_path / "open-rs-sample.jsonl"
+    sample.write_text(
+        '{"problem": "What is 1/2 + 1/4?", '
+        '"solution": "It is $\\\\boxed{\\\\frac{3}{4}}$.", "level": 1}\n'
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "cwgrpo_verl", "--dataset", str(sample)]
+        + ["--output-dir", str(tmp_path / "verl")],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == f"{tmp_path / 'verl' / 'train.parquet'}\n"
+    row = pandas.read_parquet(tmp_path / "verl" / "train.parquet").iloc[0]
+    assert [m["role"] for m in row["prompt"]] == ["system", "user"]
+    assert row["prompt"][1]["content"] == "What is 1/2 + 1/4?"
+    gold = row["reward_model"]["ground_truth"]
+    assert row["reward_model"]["style"] == "rule" and "frac{3}{4}" in gold
+    good = "<think>\nadd\n</think>\n<answer>\\boxed{0.75}</answer>"
+    assert data.compute_score("open-rs", good, gold) == 2.0
+    assert data.compute_score("open-rs", good, gold, {"format_weight": 0}) == 1.0
+    assert data.compute_score("open-rs", "\\boxed{1}", gold) == 0.0

@@ -206,7 +206,8 @@ def ablate(argv: list) -> Path:
     changed = changed_runs(configs)
     if changed and not acfg.rerun_changed:
         raise SystemExit(
-            f"error: {len(changed)} runs in {output_dir} were made with other options: "
+            f"error: {counted(len(changed), 'run')} in {output_dir} "
+            f"{'was' if len(changed) == 1 else 'were'} made with other options: "
             f"{', '.join(changed.values())}; pass --rerun-changed to redo them, or choose "
             f"another --output-dir"
         )
@@ -261,16 +262,22 @@ def command(acfg: AblationConfig, run_args: list) -> str:
     )
 
 
+def counted(n: int, thing: str) -> str:
+    """'1 run', '2 runs'."""
+    return f"{n} {thing}{'s' * (n != 1)}"
+
+
 def ablation_table(
     summaries: dict, methods: dict, acfg: AblationConfig, run_args: list, workers: int
 ) -> str:
     seeds, baseline = acfg.seeds, summaries.get("grpo")
     run_minutes = sum(r["wall_s"] for runs in summaries.values() for r in runs) / 60
+    over = "seed 0 (one run: no interval)" if seeds == 1 else f"seeds 0-{seeds - 1}"
     lines = [
-        f"`{command(acfg, run_args)}`: {len(methods) * seeds} runs, {run_minutes:.1f} minutes of "
-        f"run time in all, {workers} at a time.",
+        f"`{command(acfg, run_args)}`: {counted(len(methods) * seeds, 'run')}, "
+        f"{run_minutes:.1f} minutes of run time in all, {workers} at a time.",
         "",
-        f"Mean ± half-width of the 95% Student-t interval over seeds 0-{seeds - 1}. First and "
+        f"Mean ± half-width of the 95% Student-t interval over {over}. First and "
         f"final figures are means over the first and last 10% of rollout steps. Δ is the "
         f"paired difference from grpo over the same seeds, **bold** where its interval "
         f"excludes 0 (a finding); elsewhere the seeds cannot tell the two apart. 'steps to "

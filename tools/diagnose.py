@@ -1,10 +1,10 @@
 """The measurements the three papers argue from, on any model, through the training code's
 sampling and loss (docs/math.md, "Diagnostics").
 
-    python -m tools.diagnose batch --preset tiny --model runs/grpo-tiny-seed0/final-model \\
+    python -m tools.diagnose batch --preset tiny --model runs/cw-tiny-seed0/final-model \\
         --reference-model runs/tiny-base/model      # one rollout batch: diagnostics.{md,json}
     python -m tools.diagnose train --every 15 --method cw --preset tiny  # measuring as it trains
-    python -m tools.diagnose plot --runs runs/cw-tiny-seed0 runs/grpo-tiny-seed0 --output d.png
+    python -m tools.diagnose plot --runs runs/diagnose-cw-tiny-seed0 runs/diagnose-grpo-tiny-seed0
     python -m tools.diagnose summary --runs runs/diagnose/*   # per method, intervals over seeds
 
 - Covariance concentration (CW-GRPO): the mean covariance score of the top 0.01% ... 100% of the
@@ -73,7 +73,7 @@ class SummaryConfig:
 @dataclass
 class PlotConfig:
     runs: list[str] = dataclasses.field(metadata={"help": "run folders with diagnostics.jsonl"})
-    output: str = arg("diagnostics.png", "the figure to write")
+    output: str = arg("runs/diagnostics.png", "the figure to write")
 
 
 def concentration(scores: torch.Tensor) -> dict:
@@ -418,6 +418,7 @@ def plot(argv: list) -> Path:
             [d["concentration"]["positive"][top] for d in found],
             [d["concentration"]["negative"][top] for d in found],
         )
+    Path(pcfg.output).parent.mkdir(parents=True, exist_ok=True)
     plots.plot_diagnostics(Path(pcfg.output), runs)
     print(f"written: {pcfg.output}")
     return Path(pcfg.output)
@@ -510,7 +511,7 @@ if __name__ == "__main__":
             f"  {name:6s} {fn.__doc__.splitlines()[0]}" for name, fn in COMMANDS.items()
         )
         print(
-            f"usage: python diagnose.py {{{','.join(COMMANDS)}}} ... (each with --help)\n\n"
+            f"usage: python -m tools.diagnose {{{','.join(COMMANDS)}}} ... (each with --help)\n\n"
             f"{__doc__.split(chr(10) * 2)[0]}\n\n{commands}"
         )
         raise SystemExit(0 if {"-h", "--help"} & set(sys.argv[1:2]) else 2)
