@@ -6,6 +6,8 @@ show.
     python -m benchmarks.gpu_check --tiny   # the same path at tiny shapes (the tests, on a CPU)
     python -m benchmarks.gpu_check --lora-rank 32   # the -lora presets' frozen base + adapter
     python -m benchmarks.gpu_check --precisions fp16  # one precision only
+    python -m benchmarks.gpu_check --lora-rank 32 --precisions fp16 --new-tokens 1536 \
+        --rollout-chunk 4   # paper-1.5b-lora-16gb's shapes (the T4 preset), in fp16
 
 A randomly initialised model of R1-Distill-Qwen-1.5B's exact architecture (its config.json from
 cwgrpo_utils/model_configs/: the full vocabulary, 28 layers), the paper's batch (12 prompts x G =
@@ -255,6 +257,9 @@ def main() -> None:
         "--lora-rank", type=int, default=0, help="with a LoRA adapter (presets: 32)"
     )
     parser.add_argument(
+        "--rollout-chunk", type=int, default=0, help="prompts sampled at once; 0: all (presets: 4)"
+    )
+    parser.add_argument(
         "--precisions", default="", help="comma-separated (bf16,fp16,fp32); default: the card's"
     )
     args = parser.parse_args()
@@ -284,14 +289,17 @@ def main() -> None:
                 device.type,
                 "--lora-rank",
                 str(args.lora_rank),
+                "--rollout-chunk",
+                str(args.rollout_chunk),
             ]
         )
         parameters = memory_plan.plan(folder, memory_plan.PlanOptions.of(cfg))["parameters"]
     print(
         f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; "
         f"{parameters:,} parameters; {cfg.prompts_per_step} prompts x G = "
-        f"{cfg.group_size}, prompts up to {longest} tokens, {new_tokens} new tokens; "
-        f"precisions {', '.join(names)}"
+        f"{cfg.group_size}, prompts up to {longest} tokens, {new_tokens} new tokens, "
+        f"{cfg.rollout_chunk or cfg.prompts_per_step} prompts sampled at once; precisions "
+        f"{', '.join(names)}"
     )
     for name in names:
         check(config, cfg, Precision.choose(name, device), args.steps, longest)
