@@ -11,8 +11,8 @@ Three cases, each a real run of cwgrpo.train (its options below):
   loads anywhere), --rollout hf: 2 prompts x G = 8, prompts of 67 tokens, up to 48 new;
 - paper-1.5b: DeepSeek-R1-Distill-Qwen-1.5B's shapes (hidden 1536, 12 heads over 2 KV heads, its
   151,936-token vocabulary) with 2 of its 28 layers and random weights, the preset's G = 12 and
-  one group a step, prompts of 200 tokens (a word-level tokenizer of that vocabulary) and 32 new
-  tokens (random weights never sample EOS, so every completion is 32 long).
+  one group a step, prompts of about 200 tokens and 32 new tokens (random weights all but never
+  sample EOS, so every completion is 32 long).
 A step's time is split by wrapping section 2's sample and section 4's old_and_reference_logprobs
 with timers; the update (the policy pass, its backward and AdamW) is metrics.jsonl's update_s and
 the step its rollout_s + update_s (grading and the rewards too). Each figure is the median over a
@@ -32,11 +32,10 @@ import time
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import cwgrpo
-from cwgrpo_utils import BASES
+from cwgrpo_utils import BASES, tiny
 
 PAPER_CONFIG = Path(cwgrpo.__file__).parent / "cwgrpo_utils" / "model_configs"
 PAPER_CONFIG = PAPER_CONFIG / "deepseek-ai--DeepSeek-R1-Distill-Qwen-1.5B.json"
@@ -52,27 +51,20 @@ CASES = {
 
 
 def paper_shaped(folder: Path) -> list[str]:
-    """A 2-layer, random-weight model of the paper's shapes, its tokenizer (one word a token) and
-    a dataset of 200-word questions, in `folder`; the options that point a run at them."""
+    """A 2-layer, random-weight model of the paper's shapes, the tiny preset's byte-level
+    tokenizer (a prompt byte a token; ids past its 259 decode to nothing) and a dataset of
+    200-letter questions, in `folder`; the options that point a run at them."""
     config = json.loads(PAPER_CONFIG.read_text())
     config["num_hidden_layers"] = 2
     torch.manual_seed(0)
     Qwen2ForCausalLM(Qwen2Config(**config)).save_pretrained(folder / "model")
-    vocab = {f"w{i}": i for i in range(config["vocab_size"])}
-    words = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=words, pad_token="w0", eos_token=f"w{config['eos_token_id']}"
-    )
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    tokenizer.save_pretrained(folder / "model")
+    tiny.byte_level_qwen2_tokenizer().save_pretrained(folder / "model")
     generator = torch.Generator().manual_seed(0)
     with open(folder / "questions.jsonl", "w") as f:
         for _ in range(8):
-            question = " ".join(
-                f"w{i}" for i in torch.randint(1, 150000, (200,), generator=generator)
-            )
-            f.write(json.dumps({"problem": question, "answer": "1"}) + "\n")
+            letters = torch.randint(0, 26, (200,), generator=generator).tolist()
+            question = "".join(chr(ord("a") + i) for i in letters)
+            f.write(json.dumps({"problem": question, "solution": "1"}) + "\n")
     return ["--model", str(folder / "model"), "--dataset", str(folder / "questions.jsonl")]
 
 
@@ -106,13 +98,13 @@ def measured(argv: list[str], share: bool, output_dir: Path, threads: int) -> di
     child = subprocess.Popen(
         [sys.executable, "-m", "benchmarks.shared_prompts", "--child", json.dumps(argv)],
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,  # its progress, and any error, before the figures' line
         text=True,
     )
     out = child.stdout.read()
     _, status, usage = os.wait4(child.pid, 0)
     if status:
-        raise SystemExit(f"error: the run {' '.join(argv)} failed: {out[-500:]}")
+        raise SystemExit(f"error: the run {' '.join(argv)} failed: {out[-1500:]}")
     times = json.loads(out.strip().splitlines()[-1])
     return {**times, "peak MiB": usage.ru_maxrss / 1024}
 
