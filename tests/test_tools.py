@@ -348,17 +348,20 @@ def test_ties_fill_every_decile():
     assert sizes == [10] * 10
 
 
-@pytest.mark.parametrize("lora_rank", ["0", "4"])
-def test_gpu_check_runs_at_tiny_shapes_in_each_precision(lora_rank):
+# with LoRA, as its presets do, 4 of the 12 prompts sampled at once
+@pytest.mark.parametrize("lora_rank, rollout_chunk", [("0", "0"), ("4", "4")])
+def test_gpu_check_runs_at_tiny_shapes_in_each_precision(lora_rank, rollout_chunk):
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.gpu_check", "--tiny", "--lora-rank", lora_rank,
-         "--precisions", "fp32,fp16"],
+         "--rollout-chunk", rollout_chunk, "--precisions", "fp32,fp16"],
         capture_output=True, text=True, timeout=600, cwd=ROOT,  # a hang guard
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].startswith("device: cpu; 137,280 parameters; 12 prompts x G = 12")
-    assert lines[0].endswith("; precisions fp32, fp16")
+    assert lines[0].endswith(
+        f", {int(rollout_chunk) or 12} prompts sampled at once; precisions fp32, fp16"
+    )
     fp32, fp16 = (
         lines.index("precision fp32: as asked:"),
         lines.index("precision fp16: as asked, autocast on the cpu:"),
