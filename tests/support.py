@@ -24,7 +24,7 @@ HERE = Path(__file__).parent
 # with --rollout vllm, in a venv with vLLM (.ci/run; README "Fast rollouts with vLLM")
 ROLLOUT = os.environ.get("CWGRPO_TEST_ROLLOUT", "hf")
 # CWGRPO_TEST_LORA=1 runs them with a LoRA adapter and --report-to tensorboard; =ci with the kill
-# points where the adapter matters (.ci/run)
+# points where the adapter matters, and two methods' degenerate batches (.ci/run)
 LORA = os.environ.get("CWGRPO_TEST_LORA", "")
 LORA_ARGS = ["--lora-rank", "4", "--lora-alpha", "8", "--learning-rate", "3e-3"]
 # CWGRPO_TEST_PRECISION=fp16 runs them in fp16 (autocast with the loss scaler, on the CPU)

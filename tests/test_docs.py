@@ -4,8 +4,9 @@ in a fresh clone after the quick start, and every relative link and image there 
 A command whose comment carries a marker is skipped, and pytest's summary says so with the
 marker's reason (`pytest -rs`): [gpu] needs a CUDA card, [hub] the Hugging Face Hub, [long] takes
 minutes or more (or serves until stopped), [install] changes the environment, [optional] needs a
-package requirements.txt leaves out (vLLM, verl, W&B). Every other command runs, in the order
-the docs give them, from one clone: the quick start's run first, as the README has it."""
+package requirements.txt leaves out (vLLM, verl, W&B), [ci] is a test suite CI runs on its own.
+Every other command runs, in the order the docs give them, from one clone: the quick start's run
+first, as the README has it."""
 
 import os
 import re
@@ -23,6 +24,7 @@ MARKERS = {
     "long": "takes minutes or more, or serves until stopped",
     "install": "changes the environment",
     "optional": "needs a package requirements.txt leaves out",
+    "ci": "a test suite, which CI runs as a step of its own",
 }
 QUICK_START = "python cwgrpo.py --method cw --preset tiny"
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
