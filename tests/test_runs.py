@@ -35,6 +35,7 @@ from cwgrpo_utils.prompts import chat_prompt_ids
 from tests.support import (
     LORA,
     LORA_ARGS,
+    PRECISION,
     ROLLOUT,
     ROOT,
     Crash,
@@ -728,8 +729,14 @@ def test_every_method_trains_on_a_degenerate_batch_with_the_pictures_on(
         assert (out / "final-model" / "config.json").is_file() and (out / "tokens.html").is_file()
         if case == "all-masked":
             assert all(r["truncated_frac"] == 1 and r["grad_norm"] == 0 for r in records), method
-        if case == "equal-rewards":
-            assert all(r["reward_std"] == 0 and r["grad_norm"] == 0 for r in records), method
+        if case == "equal-rewards":  # no advantage: only the KL term, 0 where policy = reference
+            assert all(r["reward_std"] == 0 for r in records), method
+            if PRECISION != "fp16":
+                assert all(r["grad_norm"] == 0 for r in records), method
+            else:  # the reference is held in fp16, the policy's master weights in fp32: the KL
+                # term sees the rounding between them (5.9e-5 at step 1, every method below
+                # 6.4e-3 at step 2); a run's gradient norm is about 0.5
+                assert all(r["grad_norm"] < 0.05 for r in records), method
         if case == "eos-at-once":
             assert all(r["completion_len_mean"] == 1 for r in records), method
         if case == "prompt-at-limit":
