@@ -920,12 +920,12 @@ def training_loop(cfg, model, reference, tokenizer, prompts, grader, engine, run
     """The paper's algorithm, step after step, each step's phases in the order they run."""
     method = METHODS[cfg.method]
     updates = cfg.num_iterations * method.update_passes  # optimizer steps per rollout batch
-    # AdamW over what is trained (all, or LoRA's adapter); fused on CUDA: one kernel, no foreach
-    # temporaries. The learning rate warms up linearly, then decays to min_lr_ratio x its peak.
+    # AdamW over what is trained (all, or LoRA's adapter), fused: one kernel, no foreach
+    # temporaries (on a CPU 6x faster, 0.11 s against 0.68 s a SmolLM2 step: docs/performance.md).
+    # The learning rate warms up linearly, then decays to min_lr_ratio x its peak.
     trained = [p for p in model.parameters() if p.requires_grad]
-    fused = precision.device.type == "cuda"
     optimizer = torch.optim.AdamW(
-        trained, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, fused=fused
+        trained, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, fused=True
     )
     scheduler = transformers.get_cosine_with_min_lr_schedule_with_warmup(
         optimizer,
