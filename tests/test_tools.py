@@ -72,8 +72,18 @@ def test_ablate_table_holds_the_runs_figures_and_a_run_equals_its_standalone_twi
         final["cw-detached"], final["grpo"]
     ).strip("*")
     stamp = (out / "grpo-seed0" / "wall_time.json").stat().st_mtime_ns
-    ablate.ablate(args)  # finished runs are not run again
+    ablate.ablate(["--evaluate", *args])  # finished runs are not run again, only judged
     assert (out / "grpo-seed0" / "wall_time.json").stat().st_mtime_ns == stamp
+    held_out = [  # what each run's evaluate.py wrote: pass@1 in % on the tiny benchmark
+        json.loads((out / f"grpo-seed{seed}" / "eval" / "results.json").read_text())
+        for seed in (0, 1)
+    ]
+    assert [len(r["benchmarks"]) for r in held_out] == [1, 1]
+    assert [r["config"]["n"] for r in held_out] == [8, 8]
+    table = (out / "ablation.md").read_text()
+    assert "--evaluate" in table and "| held-out pass@1 | Δ held-out |" in table
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in table.splitlines()[4:]}
+    assert rows["grpo"][4] == plots.cell([r["average_pass@1"] / 100 for r in held_out])
     # the standalone twin: the same options, one thread and one grading process
     twin = run_cli(
         *tiny_args,

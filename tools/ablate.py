@@ -35,6 +35,7 @@ from cwgrpo_utils.run_folder import option_differences, read_records
 from tools import diagnose
 
 CWGRPO = Path(cwgrpo.__file__).resolve()
+EVALUATE = CWGRPO.parent / "evaluate.py"
 CW_READING_RUNS = (
     "grpo,cw,cw-detached=cw --cw-detach,cw-paper=cw --cw-reading paper,"
     "cw-gradient-only=cw --cw-reading gradient-only"
@@ -62,6 +63,11 @@ class AblationConfig:
         "also measure the papers' diagnostics (python -m tools.diagnose train) at the first "
         "rollout step and every this many, and tabulate them per method; 0: off",
         ">= 0",
+    )
+    evaluate: bool = arg(
+        False,
+        "judge each final model as its run's printed evaluate.py command does (the preset's "
+        "held-out benchmark, n = 8) and give its pass@1 beside the training accuracy",
     )
     threshold: float = arg(
         0.7, "accuracy for 'steps to threshold' (first step whose 10-step mean reaches it)"
@@ -118,6 +124,9 @@ def run_figures(run_dir: Path, threshold: float) -> dict:
     ]
     summary["steps_to_threshold"] = reached[0] if reached else None
     summary["wall_s"] = json.loads((run_dir / "wall_time.json").read_text())["wall_s"]
+    results = run_dir / "eval" / "results.json"  # --evaluate's, in % over the benchmarks
+    if results.is_file():
+        summary["held_out_pass@1"] = json.loads(results.read_text())["average_pass@1"] / 100
     return summary
 
 
@@ -164,8 +173,15 @@ def changed_runs(configs: dict) -> dict:
 def run_one(
     label: str, options: list[str], seed: int, run_dir: Path, acfg: AblationConfig, run_args: list
 ) -> None:
-    if (run_dir / "wall_time.json").is_file():
-        return  # finished by an earlier invocation, with these options (changed_runs checked)
+    if not (run_dir / "wall_time.json").is_file():  # else finished before, with these options
+        train_one(label, options, seed, run_dir, acfg, run_args)
+    if acfg.evaluate:
+        evaluate_one(run_dir, acfg)
+
+
+def train_one(
+    label: str, options: list[str], seed: int, run_dir: Path, acfg: AblationConfig, run_args: list
+) -> None:
     every = acfg.diagnose_every
     program = ["-m", "tools.diagnose", "train", "--every", str(every)] if every else [str(CWGRPO)]
     command = [sys.executable, *program, *run_arguments(options, seed, run_dir, acfg, run_args)]
@@ -184,6 +200,23 @@ def run_one(
     if done.returncode:
         raise SystemExit(f"error: {label} seed {seed} failed; see {run_dir / 'log.txt'}")
     (run_dir / "wall_time.json").write_text(json.dumps({"wall_s": time.perf_counter() - start}))
+
+
+def evaluate_one(run_dir: Path, acfg: AblationConfig) -> None:
+    """The run's final model judged by the evaluate.py command the run printed, on one thread
+    and one grading process, into <run>/eval; evaluate.py keeps the problems it finished, so a
+    rerun samples nothing again."""
+    options = ["--model", str(run_dir / "final-model"), *presets.evaluate_options(acfg.preset)]
+    options += ["--reward-workers", "1", "--output-dir", str(run_dir / "eval")]
+    with (run_dir / "eval-log.txt").open("w") as log:
+        done = subprocess.run(
+            [sys.executable, str(EVALUATE), *options],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+    if done.returncode:
+        raise SystemExit(f"error: evaluating {run_dir.name} failed; see {run_dir / 'eval-log.txt'}")
 
 
 def ablate(argv: list) -> Path:
@@ -255,10 +288,11 @@ def ablate(argv: list) -> Path:
 def command(acfg: AblationConfig, run_args: list) -> str:
     """The command that makes this ablation, as its tables quote it."""
     every = f" --diagnose-every {acfg.diagnose_every}" if acfg.diagnose_every else ""
+    evaluate = " --evaluate" if acfg.evaluate else ""
     options = f" -- {shlex.join(run_args)}" if run_args else ""
     return (
         f"python -m tools.ablate --methods {shlex.quote(acfg.methods)} --seeds {acfg.seeds} "
-        f"--preset {acfg.preset}{every}{options}"
+        f"--preset {acfg.preset}{every}{evaluate}{options}"
     )
 
 
@@ -282,12 +316,19 @@ def ablation_table(
         f"paired difference from grpo over the same seeds, **bold** where its interval "
         f"excludes 0 (a finding); elsewhere the seeds cannot tell the two apart. 'steps to "
         f"{acfg.threshold}' is the first rollout step whose 10-step mean accuracy reaches it "
-        f"(seeds that never do are left out and counted).",
+        f"(seeds that never do are left out and counted)."
+        + (
+            " Held-out pass@1: each final model on the preset's benchmark, 8 samples a "
+            "problem (evaluate.py, as each run printed it)."
+            if acfg.evaluate
+            else ""
+        ),
         "",
-        f"| method | options | accuracy first → final | Δ final accuracy | final format | "
-        f"Δ format | entropy first → final | Δ final entropy | steps to {acfg.threshold} | "
-        f"wall s | touched |",
-        "|---" * 11 + "|",
+        "| method | options | accuracy first → final | Δ final accuracy | "
+        + "held-out pass@1 | Δ held-out | " * acfg.evaluate
+        + f"final format | Δ format | entropy first → final | Δ final entropy | "
+        f"steps to {acfg.threshold} | wall s | touched |",
+        "|---" * (11 + 2 * acfg.evaluate) + "|",
     ]
     for label, runs in summaries.items():
 
@@ -309,7 +350,12 @@ def ablation_table(
             f"| {label} | `{shlex.join(methods[label])}` | "
             f"{statistics.fmean(values('first_accuracy_mean')):.3f} → "
             f"{plots.cell(values('final_accuracy_mean'))} | {delta('final_accuracy_mean')} | "
-            f"{plots.cell(values('final_format_mean'))} | {delta('final_format_mean')} | "
+            + (
+                f"{plots.cell(values('held_out_pass@1'))} | {delta('held_out_pass@1')} | "
+                if acfg.evaluate
+                else ""
+            )
+            + f"{plots.cell(values('final_format_mean'))} | {delta('final_format_mean')} | "
             f"{statistics.fmean(values('first_entropy_mean')):.3f} → "
             f"{plots.cell(values('final_entropy_mean'))} | {delta('final_entropy_mean')} | "
             f"{steps} | "
