@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -84,6 +85,15 @@ def test_ablate_table_holds_the_runs_figures_and_a_run_equals_its_standalone_twi
     assert "--evaluate" in table and "| held-out pass@1 | Δ held-out |" in table
     rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in table.splitlines()[4:]}
     assert rows["grpo"][4] == plots.cell([r["average_pass@1"] / 100 for r in held_out])
+    # a run stopped before its first checkpoint (killed, or its disk full) starts again afresh
+    stopped = out / "grpo-seed0"
+    finished = read_metrics(stopped / "metrics.jsonl")
+    for part in ("checkpoint-3", "final-model", "eval"):
+        shutil.rmtree(stopped / part)
+    (stopped / "wall_time.json").unlink()
+    (stopped / "metrics.jsonl").write_text(json.dumps(finished[0]) + "\n")
+    ablate.ablate(args)
+    assert read_metrics(stopped / "metrics.jsonl") == finished
     # the standalone twin: the same options, one thread and one grading process
     twin = run_cli(
         *tiny_args,

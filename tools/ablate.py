@@ -29,7 +29,7 @@ from typing import Literal
 from tqdm import tqdm
 
 import cwgrpo
-from cwgrpo_utils import plots, presets
+from cwgrpo_utils import checkpoints, plots, presets
 from cwgrpo_utils.cli import arg, parse_dataclasses
 from cwgrpo_utils.run_folder import option_differences, read_records
 from tools import diagnose
@@ -185,8 +185,10 @@ def train_one(
     every = acfg.diagnose_every
     program = ["-m", "tools.diagnose", "train", "--every", str(every)] if every else [str(CWGRPO)]
     command = [sys.executable, *program, *run_arguments(options, seed, run_dir, acfg, run_args)]
-    if (run_dir / "metrics.jsonl").exists():
+    if checkpoints.latest_checkpoint(run_dir) is not None:
         command.append("--resume")
+    elif (run_dir / "run_config.json").exists():  # stopped before its first checkpoint
+        command.append("--overwrite-output-dir")
     run_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with (run_dir / "log.txt").open("w") as log:
