@@ -4,6 +4,7 @@
     python -m tools.ablate --methods cw-readings            # GRPO and the readings of CW-GRPO
     python -m tools.ablate --preset tiny-chain --methods all,cw-readings   # both, on the chain task
     python -m tools.ablate --methods grpo,cw -- --steps 300 # options after -- go to every run
+    python -m tools.ablate --methods grpo,cw --evaluate     # and held-out pass@1 of each model
 
 Each run is `python cwgrpo.py` in its own process and folder (<label>-seed<seed>/), as many at a
 time as there are cores, each with one torch thread and one grading process, so a run here equals
