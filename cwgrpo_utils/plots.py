@@ -196,8 +196,9 @@ def run_summary(output_dir: Path, wall_s: float, preset: str) -> str:
     """What a run did, in a few lines: first -> last 10% of each curve (the format's only where the
     reward counts it), its wall time, where its checkpoints, final model and pictures are, and the
     command that evaluates its final model (on a CPU preset's own benchmark)."""
-    final_model = ["--model", str(output_dir / "final-model"), *presets.evaluate_options(preset)]
-    evaluate_command = command(str(REPOSITORY / "evaluate.py"), final_model)
+    evaluate_command = command(
+        str(REPOSITORY / "evaluate.py"), presets.final_model_evaluation(output_dir, preset)
+    )
     records = read_records(output_dir / "metrics.jsonl")
     options = json.loads((output_dir / "run_config.json").read_text())
     out = [

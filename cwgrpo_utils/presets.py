@@ -26,3 +26,9 @@ def evaluate_options(preset: str) -> tuple[str, ...]:
     prompts = ("--gold-format", "expr", "--prompt-template", "{question}")
     sampling = ("--top-p", "1.0", "--max-new-tokens", str(BENCHMARKS[preset]["max_new_tokens"]))
     return ("--benchmarks", bench, *prompts, *sampling)
+
+
+def final_model_evaluation(output_dir, preset: str) -> list[str]:
+    """evaluate.py's arguments for a run's final model: the command a run prints, and the one
+    tools.ablate --evaluate runs."""
+    return ["--model", str(output_dir / "final-model"), *evaluate_options(preset)]

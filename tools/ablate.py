@@ -192,7 +192,24 @@ def train_one(
         command.append("--overwrite-output-dir")
     run_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    with (run_dir / "log.txt").open("w") as log:
+    run_logged(command, run_dir / "log.txt", f"{label} seed {seed}")
+    (run_dir / "wall_time.json").write_text(json.dumps({"wall_s": time.perf_counter() - start}))
+
+
+def evaluate_one(run_dir: Path, acfg: AblationConfig) -> None:
+    """The run's final model judged by the evaluate.py command the run printed, on one thread
+    and one grading process, into <run>/eval; evaluate.py keeps the problems it finished, so a
+    rerun samples nothing again."""
+    options = presets.final_model_evaluation(run_dir, acfg.preset)
+    options += ["--reward-workers", "1", "--output-dir", str(run_dir / "eval")]
+    evaluate = [sys.executable, str(EVALUATE), *options]
+    run_logged(evaluate, run_dir / "eval-log.txt", f"evaluating {run_dir.name}")
+
+
+def run_logged(command: list[str], log_path: Path, what: str) -> None:
+    """command on one torch thread, its output into log_path; a failure stops the ablation in
+    one line naming `what` and the log."""
+    with log_path.open("w") as log:
         done = subprocess.run(
             command,
             stdout=log,
@@ -201,25 +218,7 @@ def train_one(
             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(CWGRPO.parent)},
         )
     if done.returncode:
-        raise SystemExit(f"error: {label} seed {seed} failed; see {run_dir / 'log.txt'}")
-    (run_dir / "wall_time.json").write_text(json.dumps({"wall_s": time.perf_counter() - start}))
-
-
-def evaluate_one(run_dir: Path, acfg: AblationConfig) -> None:
-    """The run's final model judged by the evaluate.py command the run printed, on one thread
-    and one grading process, into <run>/eval; evaluate.py keeps the problems it finished, so a
-    rerun samples nothing again."""
-    options = ["--model", str(run_dir / "final-model"), *presets.evaluate_options(acfg.preset)]
-    options += ["--reward-workers", "1", "--output-dir", str(run_dir / "eval")]
-    with (run_dir / "eval-log.txt").open("w") as log:
-        done = subprocess.run(
-            [sys.executable, str(EVALUATE), *options],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-    if done.returncode:
-        raise SystemExit(f"error: evaluating {run_dir.name} failed; see {run_dir / 'eval-log.txt'}")
+        raise SystemExit(f"error: {what} failed; see {log_path}")
 
 
 def ablate(argv: list) -> Path:
