@@ -6,9 +6,12 @@ import dataclasses
 import json
 import math
 import os
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pandas
 import pytest
@@ -16,10 +19,10 @@ import torch
 
 import cwgrpo
 from cwgrpo import Grader
-from cwgrpo_utils import cli, loading, plots, tiny
+from cwgrpo_utils import checkpoints, cli, loading, plots, tiny
 from cwgrpo_utils.prompts import PromptStream
 from cwgrpo_verl import data
-from tests.support import ROOT, read_metrics, run_cli
+from tests.support import ROOT, processes_tagged, read_metrics, run_cli
 from tools import ablate, diagnose
 
 
@@ -85,6 +88,9 @@ def test_ablate_table_holds_the_runs_figures_and_a_run_equals_its_standalone_twi
     assert "--evaluate" in table and "| held-out pass@1 | Δ held-out |" in table
     rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in table.splitlines()[4:]}
     assert rows["grpo"][4] == plots.cell([r["average_pass@1"] / 100 for r in held_out])
+    judged = (out / "grpo-seed0" / "eval-log.txt").stat().st_mtime_ns
+    ablate.ablate(["--evaluate", *args])  # each model is judged once
+    assert (out / "grpo-seed0" / "eval-log.txt").stat().st_mtime_ns == judged
     # a run stopped before its first checkpoint (killed, or its disk full) starts again afresh
     stopped = out / "grpo-seed0"
     finished = read_metrics(stopped / "metrics.jsonl")
@@ -121,6 +127,70 @@ def test_ablate_table_holds_the_runs_figures_and_a_run_equals_its_standalone_twi
     assert (recorded["torch_threads"], recorded["reward_workers_used"]) == (1, 1)
     with pytest.raises(SystemExit, match="unknown method nope"):
         ablate.ablate(["--methods", "grpo,nope", "--no-plot", "--output-dir", str(out)])
+
+
+def test_ablate_stopped_or_killed_leaves_no_run_behind_and_the_rerun_resumes_each(
+    tmp_path, tiny_args
+):
+    out = tmp_path / "ablation"
+    args = ["--methods", "grpo", "--seeds", "2", "--workers", "2", "--no-plot"]
+    args += ["--output-dir", str(out), "--", *tiny_args[2:], "--steps", "40", "--save-every", "1"]
+    runs = [out / f"grpo-seed{seed}" for seed in (0, 1)]
+    marker = f"ablate-stop-{os.getpid()}"
+
+    def started_until_step(step: int) -> subprocess.Popen:
+        ablation = subprocess.Popen(
+            [sys.executable, "-m", "tools.ablate", *args],
+            cwd=ROOT,
+            env={**os.environ, "CWGRPO_TEST_MARKER": marker},
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        deadline = time.time() + 300  # a hang guard
+        while not all(last_step(run) >= step for run in runs):
+            assert time.time() < deadline and ablation.poll() is None, "the runs did not start"
+            time.sleep(0.1)
+        return ablation
+
+    def last_step(run) -> int:
+        records = read_metrics(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else []
+        return records[-1]["rollout_step"] if records else 0
+
+    def no_process_left(marker: str) -> bool:
+        deadline = time.time() + 15  # the runs stop after their step, or at once
+        while processes_tagged(marker) and time.time() < deadline:
+            time.sleep(0.2)
+        return processes_tagged(marker) == []
+
+    def signalled(run) -> int:
+        return (run / "log.txt").read_text().count("SIGTERM: stopping after this step")
+
+    ablation = started_until_step(1)
+    ablation.send_signal(signal.SIGTERM)
+    _, stderr = ablation.communicate(timeout=300)
+    assert ablation.returncode == 1
+    assert stderr.strip().splitlines()[-1] == (
+        "stopped by SIGTERM, each unfinished run with a checkpoint; resume with: "
+        f"python -m tools.ablate {shlex.join(args)}"
+    )
+    assert no_process_left(marker)
+    for run in runs:  # one SIGTERM each, so each finished its step and saved it
+        assert signalled(run) == 1 and "stopped after step" in (run / "log.txt").read_text()
+        assert checkpoints.latest_checkpoint(run).name == f"checkpoint-{last_step(run)}"
+        assert not ablate.wall_time(run)["finished"]
+    first_part = [ablate.wall_time(run)["wall_s"] for run in runs]
+    ablation = started_until_step(max(last_step(run) for run in runs) + 1)
+    ablation.kill()  # no goodbye: the kernel signals each run (PR_SET_PDEATHSIG)
+    ablation.wait()
+    assert no_process_left(marker)
+    assert [signalled(run) for run in runs] == [2, 2]  # each part of a run adds to its log
+    ablate.ablate(args)  # the same command, to the end
+    for run, earlier in zip(runs, first_part):
+        records = read_metrics(run / "metrics.jsonl")
+        steps = [r["rollout_step"] for r in records if r["update_pass"] == 0]
+        assert steps == list(range(1, 41))
+        assert ablate.wall_time(run)["finished"]
+        assert ablate.wall_time(run)["wall_s"] > earlier  # the parts add up (kill -9's is lost)
 
 
 def test_concentration_hand_computed():

@@ -9,20 +9,24 @@
 Each run is `python cwgrpo.py` in its own process and folder (<label>-seed<seed>/), as many at a
 time as there are cores, each with one torch thread and one grading process, so a run here equals
 the standalone command with the same options (`--threads 1 --reward-workers 1`) step for step.
-Rerunning the same command skips finished runs and resumes unfinished ones. A method can carry
-options of its own: `--methods "grpo,cw-detached=cw --cw-detach"`.
+Ctrl-C or SIGTERM stops the runs under way after their step, each with a checkpoint; rerunning
+the same command skips finished runs and resumes unfinished ones. A method can carry options of
+its own: `--methods "grpo,cw-detached=cw --cw-detach"`.
 """
 
+import ctypes
 import dataclasses
 import json
 import os
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -124,7 +128,7 @@ def run_figures(run_dir: Path, threshold: float) -> dict:
         if a >= threshold
     ]
     summary["steps_to_threshold"] = reached[0] if reached else None
-    summary["wall_s"] = json.loads((run_dir / "wall_time.json").read_text())["wall_s"]
+    summary["wall_s"] = wall_time(run_dir)["wall_s"]
     results = run_dir / "eval" / "results.json"  # --evaluate's, in % over the benchmarks
     if results.is_file():
         summary["held_out_pass@1"] = json.loads(results.read_text())["average_pass@1"] / 100
@@ -174,10 +178,19 @@ def changed_runs(configs: dict) -> dict:
 def run_one(
     label: str, options: list[str], seed: int, run_dir: Path, acfg: AblationConfig, run_args: list
 ) -> None:
-    if not (run_dir / "wall_time.json").is_file():  # else finished before, with these options
+    if not wall_time(run_dir)["finished"]:
         train_one(label, options, seed, run_dir, acfg, run_args)
-    if acfg.evaluate:
+    if acfg.evaluate and not (run_dir / "eval" / "results.json").is_file():
         evaluate_one(run_dir, acfg)
+
+
+def wall_time(run_dir: Path) -> dict:
+    """<run>/wall_time.json: the run's wall time over all its parts so far, and whether it
+    finished (a file from before that flag was written only by a finished run)."""
+    path = run_dir / "wall_time.json"
+    if not path.is_file():
+        return {"wall_s": 0.0, "finished": False}
+    return {"finished": True, **json.loads(path.read_text())}
 
 
 def train_one(
@@ -186,39 +199,102 @@ def train_one(
     every = acfg.diagnose_every
     program = ["-m", "tools.diagnose", "train", "--every", str(every)] if every else [str(CWGRPO)]
     command = [sys.executable, *program, *run_arguments(options, seed, run_dir, acfg, run_args)]
+    earlier = 0.0  # the wall time of a resumed run's parts before this one
     if checkpoints.latest_checkpoint(run_dir) is not None:
         command.append("--resume")
+        earlier = wall_time(run_dir)["wall_s"]
     elif (run_dir / "run_config.json").exists():  # stopped before its first checkpoint
         command.append("--overwrite-output-dir")
     run_dir.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    run_logged(command, run_dir / "log.txt", f"{label} seed {seed}")
-    (run_dir / "wall_time.json").write_text(json.dumps({"wall_s": time.perf_counter() - start}))
+    start, finished = time.perf_counter(), False
+    try:
+        CHILDREN.run_logged(command, run_dir / "log.txt", f"{label} seed {seed}")
+        finished = True
+    finally:
+        spent = earlier + time.perf_counter() - start
+        record = {"wall_s": spent, "finished": finished}
+        (run_dir / "wall_time.json").write_text(json.dumps(record))
 
 
 def evaluate_one(run_dir: Path, acfg: AblationConfig) -> None:
     """The run's final model judged by the evaluate.py command the run printed, on one thread
     and one grading process, into <run>/eval; evaluate.py keeps the problems it finished, so a
-    rerun samples nothing again."""
+    stopped evaluation resumes where it was."""
     options = presets.final_model_evaluation(run_dir, acfg.preset)
     options += ["--reward-workers", "1", "--output-dir", str(run_dir / "eval")]
     evaluate = [sys.executable, str(EVALUATE), *options]
-    run_logged(evaluate, run_dir / "eval-log.txt", f"evaluating {run_dir.name}")
+    CHILDREN.run_logged(evaluate, run_dir / "eval-log.txt", f"evaluating {run_dir.name}")
 
 
-def run_logged(command: list[str], log_path: Path, what: str) -> None:
-    """command on one torch thread, its output into log_path; a failure stops the ablation in
-    one line naming `what` and the log."""
-    with log_path.open("w") as log:
-        done = subprocess.run(
-            command,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            # tools.diagnose runs as a module of the repository, from any folder
-            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(CWGRPO.parent)},
-        )
-    if done.returncode:
-        raise SystemExit(f"error: {what} failed; see {log_path}")
+class Stopped(Exception):
+    """A run or evaluation ended by the ablation's stop, not by its own failure."""
+
+
+class Children:
+    """The ablation's training and evaluation processes. Each runs in a process group of its own,
+    so a terminal's Ctrl-C or `timeout`'s signal reaches it once, through here: the first Ctrl-C
+    or SIGTERM to the ablation, or a run's failure, sends each running one SIGTERM (cwgrpo.py
+    finishes its step and saves a checkpoint) and starts no more, so that rerunning the command
+    resumes them; a second one sends another (they stop at once). Should the ablation die
+    unwarned (kill -9), so do they, losing the step under way as a killed run does: the kernel
+    sends them SIGTERM as each of its threads ends (PR_SET_PDEATHSIG)."""
+
+    SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
+
+    def __enter__(self) -> "Children":
+        self.running, self.lock, self.stopped_by, self.previous = set(), threading.RLock(), "", {}
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {s: signal.signal(s, self.handle) for s in self.SIGNALS}
+        return self
+
+    def handle(self, number: int, _frame) -> None:
+        name = self.SIGNALS[number]
+        print(f"\n{name}: stopping the runs after their step, with a checkpoint", file=sys.stderr)
+        self.stop(name)
+
+    def stop(self, reason: str) -> None:
+        with self.lock:  # re-entrant: a signal may land while the main thread is in here
+            self.stopped_by = self.stopped_by or reason
+            for process in self.running:
+                process.send_signal(signal.SIGTERM)
+
+    def run_logged(self, command: list[str], log_path: Path, what: str) -> None:
+        """command on one torch thread, its output added to log_path; a failure stops the
+        ablation in one line naming `what` and the log."""
+        with log_path.open("a") as log, self.lock:
+            if self.stopped_by:
+                raise Stopped
+            process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                # tools.diagnose runs as a module of the repository, from any folder
+                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(CWGRPO.parent)},
+                process_group=0,
+                preexec_fn=die_with_parent,
+            )
+            self.running.add(process)
+        returncode = process.wait()
+        with self.lock:
+            self.running.discard(process)
+            if returncode and self.stopped_by:
+                raise Stopped
+        if returncode:
+            raise SystemExit(f"error: {what} failed; see {log_path}")
+
+    def __exit__(self, *_) -> None:
+        for number, previous in self.previous.items():
+            signal.signal(number, previous)
+
+
+def die_with_parent() -> None:
+    """In a child, before it starts: SIGTERM when the ablation's thread that started it ends (and
+    again as each thread it passes to ends)."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+CHILDREN = Children()  # one per process, as the signals it answers are
 
 
 def ablate(argv: list) -> Path:
@@ -249,13 +325,25 @@ def ablate(argv: list) -> Path:
     for run_dir in changed:
         shutil.rmtree(run_dir)
     workers = acfg.workers or os.cpu_count() or 1
-    with ThreadPoolExecutor(workers) as pool:
-        jobs = [
-            pool.submit(run_one, label, methods[label], seed, run_dir, acfg, run_args)
-            for label, seed, run_dir in runs
-        ]
-        for job in tqdm(jobs, desc="ablation"):
-            job.result()
+    try:
+        with CHILDREN, ThreadPoolExecutor(workers) as pool:
+            jobs = [
+                pool.submit(run_one, label, methods[label], seed, run_dir, acfg, run_args)
+                for label, seed, run_dir in runs
+            ]
+            try:
+                for job in tqdm(as_completed(jobs), total=len(jobs), desc="ablation"):
+                    job.result()
+            except BaseException:  # a run failed, or the stop: the others stop where they are
+                CHILDREN.stop("a failed run")
+                for job in jobs:
+                    job.cancel()
+                raise
+    except Stopped:
+        raise SystemExit(
+            f"stopped by {CHILDREN.stopped_by}, each unfinished run with a checkpoint; resume "
+            f"with: python -m tools.ablate {shlex.join(argv)}"
+        ) from None
     summaries = {
         label: [run_figures(d, acfg.threshold) for lb, _, d in runs if lb == label]
         for label in methods
