@@ -193,6 +193,20 @@ def test_ablate_stopped_or_killed_leaves_no_run_behind_and_the_rerun_resumes_eac
         assert ablate.wall_time(run)["wall_s"] > earlier  # the parts add up (kill -9's is lost)
 
 
+def test_ablate_stops_at_a_failed_run_and_starts_no_other(tmp_path, tiny_base):
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "1+1"}\n')  # no answer to grade against
+    out = tmp_path / "ablation"
+    bad = f"bad=grpo --dataset {tmp_path / 'bad.jsonl'}"
+    good = f"good=grpo --dataset {tiny_base / 'arithmetic.jsonl'}"
+    args = ["--methods", f"{bad},{good}", "--seeds", "1", "--workers", "1", "--no-plot"]
+    args += ["--output-dir", str(out), "--", "--model", str(tiny_base / "model"), "--steps", "2"]
+    with pytest.raises(SystemExit, match=f"error: bad seed 0 failed; see {out}/bad-seed0/log.txt"):
+        ablate.ablate(args)
+    log = (out / "bad-seed0" / "log.txt").read_text().splitlines()
+    assert log[-1].startswith("error: ") and "no column" in log[-1]  # cwgrpo.py's one line
+    assert not (out / "good-seed0").exists()  # queued behind it, never started
+
+
 def test_concentration_hand_computed():
     # 4 positive scores (10, 3, 2, 1) and 2 negative (-6, -2); zeros belong to neither side
     scores = torch.tensor([1.0, -2.0, 10.0, 0.0, 3.0, -6.0, 2.0])

@@ -178,6 +178,8 @@ def changed_runs(configs: dict) -> dict:
 def run_one(
     label: str, options: list[str], seed: int, run_dir: Path, acfg: AblationConfig, run_args: list
 ) -> None:
+    if CHILDREN.stopped_by:  # before making its folder: a run the stop caught queued
+        raise Stopped
     if not wall_time(run_dir)["finished"]:
         train_one(label, options, seed, run_dir, acfg, run_args)
     if acfg.evaluate and not (run_dir / "eval" / "results.json").is_file():
@@ -280,6 +282,7 @@ class Children:
             if returncode and self.stopped_by:
                 raise Stopped
         if returncode:
+            self.stop(f"{what} failing")  # here, so that this thread's next run sees it
             raise SystemExit(f"error: {what} failed; see {log_path}")
 
     def __exit__(self, *_) -> None:
@@ -335,7 +338,7 @@ def ablate(argv: list) -> Path:
                 for job in tqdm(as_completed(jobs), total=len(jobs), desc="ablation"):
                     job.result()
             except BaseException:  # a run failed, or the stop: the others stop where they are
-                CHILDREN.stop("a failed run")
+                CHILDREN.stop("an error")
                 for job in jobs:
                     job.cancel()
                 raise
