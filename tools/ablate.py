@@ -290,11 +290,16 @@ class Children:
             signal.signal(number, previous)
 
 
+# looked up here: between fork and exec a child may not load anything (another thread of the
+# ablation may have held the loader's lock when it forked)
+PRCTL = ctypes.CDLL(None).prctl if sys.platform == "linux" else None
+
+
 def die_with_parent() -> None:
     """In a child, before it starts: SIGTERM when the ablation's thread that started it ends (and
     again as each thread it passes to ends)."""
-    if sys.platform == "linux":
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    if PRCTL is not None:
+        PRCTL(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 CHILDREN = Children()  # one per process, as the signals it answers are
