@@ -183,7 +183,9 @@ def test_ablate_stopped_or_killed_leaves_no_run_behind_and_the_rerun_resumes_eac
     ablation.kill()  # no goodbye: the kernel signals each run (PR_SET_PDEATHSIG)
     ablation.wait()
     assert no_process_left(marker)
-    assert [signalled(run) for run in runs] == [2, 2]  # each part of a run adds to its log
+    for run in runs:  # its second part (each part adds to the log) ended by the kernel's signal
+        second = (run / "log.txt").read_text().split("cwgrpo: --method")[2]
+        assert "stopped after step" in second or "interrupted: the step under way" in second
     ablate.ablate(args)  # the same command, to the end
     for run, earlier in zip(runs, first_part):
         records = read_metrics(run / "metrics.jsonl")
