@@ -36,7 +36,7 @@ from tqdm import tqdm
 import cwgrpo
 from cwgrpo_utils import checkpoints, plots, presets
 from cwgrpo_utils.cli import arg, parse_dataclasses
-from cwgrpo_utils.run_folder import option_differences, read_records
+from cwgrpo_utils.run_folder import StopRequest, option_differences, read_records
 from tools import diagnose
 
 CWGRPO = Path(cwgrpo.__file__).resolve()
@@ -241,7 +241,7 @@ class Children:
     unwarned (kill -9), so do they, losing the step under way as a killed run does: the kernel
     sends them SIGTERM as each of its threads ends (PR_SET_PDEATHSIG)."""
 
-    SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
+    SIGNALS = StopRequest.SIGNALS  # the names a run gives the same signals
 
     def __enter__(self) -> "Children":
         self.running, self.lock, self.stopped_by, self.previous = set(), threading.RLock(), "", {}
