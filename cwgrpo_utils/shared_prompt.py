@@ -42,8 +42,10 @@ class PromptCache(DynamicCache):
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         layer = self.layers[layer_idx]
-        keys = torch.cat([layer.keys[self.groups], key_states], -2)
-        values = torch.cat([layer.values[self.groups], value_states], -2)
+        # index_select, not layer.keys[self.groups]: its backward sums a group's rows in a fixed
+        # order, where the indexing's adds atomically across threads and a run stops repeating
+        keys = torch.cat([layer.keys.index_select(0, self.groups), key_states], -2)
+        values = torch.cat([layer.values.index_select(0, self.groups), value_states], -2)
         return keys, values
 
 

@@ -5,6 +5,7 @@ several a micro-batch, LoRA and gradient checkpointing; the same sampled tokens;
 records."""
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -199,3 +200,46 @@ def test_three_tiny_steps_shared_and_unshared_sample_alike_and_agree_to_rounding
             assert shared[key] == unshared[key], key
         for key in ("loss", "entropy_mean", "kl_mean", "grad_norm"):
             assert shared[key] == pytest.approx(unshared[key], rel=1e-4, abs=1e-9), key
+
+
+def test_a_run_on_two_threads_repeats_itself_to_the_bit(tiny_args, tmp_path):
+    """The same seed on the same CPU and thread count gives the same records, every key but the
+    timings: two runs of the tiny preset on two threads parted within 15 steps while a group's
+    prompt gradient was summed with atomic adds."""
+    runs = []
+    for name in ("first", "second"):
+        args = [*tiny_args, "--steps", "15", "--threads", "2", "--output-dir", str(tmp_path / name)]
+        cwgrpo.train(cwgrpo.parse_config(args))
+        runs.append(read_metrics(tmp_path / name / "metrics.jsonl"))
+    timings = {"rollout_s", "update_s", "time", "tokens_per_s"}
+    for first, second in zip(*runs, strict=True):
+        assert {k: v for k, v in first.items() if k not in timings} == {
+            k: v for k, v in second.items() if k not in timings
+        }
+
+
+def test_a_groups_prompt_gradient_is_summed_in_the_same_order_every_time_on_two_threads():
+    """PromptCache hands each completion row its group's prompt keys and values; backward sums
+    the rows' gradients into the group's. In a fixed order, so a run repeats itself bit for bit at
+    a given thread count: an indexed gather's backward adds with atomics across threads, and two
+    runs of the tiny preset on two threads parted after about ten steps."""
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randn(8, 1, 40, 32, generator=generator) for _ in range(2)]  # keys, values
+    groups = (torch.arange(64) // 8)[torch.randperm(64, generator=generator)[:50]]  # by length
+    own = torch.randn(50, 1, 20, 32, generator=generator)  # the completions' own keys, values
+    upstream = torch.randn(50, 1, 60, 32, generator=generator)
+
+    def prompt_gradients() -> list[torch.Tensor]:
+        keys, values = (p.clone().requires_grad_() for p in prompts)
+        cache = shared_prompt.PromptCache([SimpleNamespace(keys=keys, values=values)], groups)
+        keys_seen, values_seen = cache.update(own, own, layer_idx=0)  # (50, 1, 60, 32) each
+        ((keys_seen + values_seen) * upstream).sum().backward()
+        return [keys.grad, values.grad]
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        first, *again = (prompt_gradients() for _ in range(50))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(g, f) for gradients in again for g, f in zip(gradients, first))
