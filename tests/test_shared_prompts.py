@@ -206,11 +206,15 @@ def test_a_run_on_two_threads_repeats_itself_to_the_bit(tiny_args, tmp_path):
     """The same seed on the same CPU and thread count gives the same records, every key but the
     timings: two runs of the tiny preset on two threads parted within 15 steps while a group's
     prompt gradient was summed with atomic adds."""
-    runs = []
-    for name in ("first", "second"):
-        args = [*tiny_args, "--steps", "15", "--threads", "2", "--output-dir", str(tmp_path / name)]
-        cwgrpo.train(cwgrpo.parse_config(args))
-        runs.append(read_metrics(tmp_path / name / "metrics.jsonl"))
+    runs, threads = [], torch.get_num_threads()
+    try:
+        for name in ("first", "second"):
+            out = tmp_path / name
+            args = [*tiny_args, "--steps", "15", "--threads", "2", "--output-dir", str(out)]
+            cwgrpo.train(cwgrpo.parse_config(args))
+            runs.append(read_metrics(out / "metrics.jsonl"))
+    finally:  # --threads sets torch's, for the process: the tests after it run as before
+        torch.set_num_threads(threads)
     timings = {"rollout_s", "update_s", "time", "tokens_per_s"}
     for first, second in zip(*runs, strict=True):
         assert {k: v for k, v in first.items() if k not in timings} == {
