@@ -202,19 +202,26 @@ def test_three_tiny_steps_shared_and_unshared_sample_alike_and_agree_to_rounding
             assert shared[key] == pytest.approx(unshared[key], rel=1e-4, abs=1e-9), key
 
 
-def test_a_run_on_two_threads_repeats_itself_to_the_bit(tiny_args, tmp_path):
+@pytest.fixture
+def two_threads():
+    """torch on two threads for the test, as before after it: --threads and set_num_threads set
+    the process's, and the tests after it compare runs with the session's one-thread run."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_a_run_on_two_threads_repeats_itself_to_the_bit(tiny_args, tmp_path, two_threads):
     """The same seed on the same CPU and thread count gives the same records, every key but the
     timings: two runs of the tiny preset on two threads parted within 15 steps while a group's
     prompt gradient was summed with atomic adds."""
-    runs, threads = [], torch.get_num_threads()
-    try:
-        for name in ("first", "second"):
-            out = tmp_path / name
-            args = [*tiny_args, "--steps", "15", "--threads", "2", "--output-dir", str(out)]
-            cwgrpo.train(cwgrpo.parse_config(args))
-            runs.append(read_metrics(out / "metrics.jsonl"))
-    finally:  # --threads sets torch's, for the process: the tests after it run as before
-        torch.set_num_threads(threads)
+    runs = []
+    for name in ("first", "second"):
+        out = tmp_path / name
+        args = [*tiny_args, "--steps", "15", "--threads", "2", "--output-dir", str(out)]
+        cwgrpo.train(cwgrpo.parse_config(args))
+        runs.append(read_metrics(out / "metrics.jsonl"))
     timings = {"rollout_s", "update_s", "time", "tokens_per_s"}
     for first, second in zip(*runs, strict=True):
         assert {k: v for k, v in first.items() if k not in timings} == {
@@ -222,7 +229,9 @@ def test_a_run_on_two_threads_repeats_itself_to_the_bit(tiny_args, tmp_path):
         }
 
 
-def test_a_groups_prompt_gradient_is_summed_in_the_same_order_every_time_on_two_threads():
+def test_a_groups_prompt_gradient_is_summed_in_the_same_order_every_time_on_two_threads(
+    two_threads,
+):
     """PromptCache hands each completion row its group's prompt keys and values; backward sums
     the rows' gradients into the group's. In a fixed order, so a run repeats itself bit for bit at
     a given thread count: an indexed gather's backward adds with atomics across threads, and two
@@ -240,10 +249,5 @@ def test_a_groups_prompt_gradient_is_summed_in_the_same_order_every_time_on_two_
         ((keys_seen + values_seen) * upstream).sum().backward()
         return [keys.grad, values.grad]
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        first, *again = (prompt_gradients() for _ in range(50))
-    finally:
-        torch.set_num_threads(threads)
+    first, *again = (prompt_gradients() for _ in range(50))
     assert all(torch.equal(g, f) for gradients in again for g, f in zip(gradients, first))
