@@ -1,6 +1,7 @@
 """System tests of whole runs: kill anywhere, faults, degenerate batches, bad input, resume, the
 processes a run owns, and what it leaves (its curves, its token page, its summary)."""
 
+import copy
 import functools
 import json
 import math
@@ -31,7 +32,7 @@ from cwgrpo_utils import (
     token_page,
 )
 from cwgrpo_utils.precision import Precision
-from cwgrpo_utils.prompts import chat_prompt_ids
+from cwgrpo_utils.prompts import PromptStream, chat_prompt_ids
 from tests.support import (
     LORA,
     LORA_ARGS,
@@ -1045,21 +1046,138 @@ class Poison:
         return (os.system, (f"touch {self.marker}",))
 
 
-def test_a_checkpoint_written_by_main_of_2026_12_03_resumes_to_its_uninterrupted_run(tmp_path):
-    """A run folder from before checkpoints were read with weights_only (tests/fixtures/): its
-    checkpoint-2 resumes with today's code to exactly that day's uninterrupted run."""
-    fixture = ROOT / "tests" / "fixtures" / "checkpoint-of-2026-12-03"
-    shutil.copytree(fixture, tmp_path / "folder")
+OLD_CHECKPOINT = ROOT / "tests" / "fixtures" / "checkpoint-of-2026-12-03"
+
+
+class NoState:
+    """A part of a run that loads no state: what a resume that forgets that part does."""
+
+    def load_state_dict(self, state) -> None:
+        pass
+
+
+def forgetting(part: str):
+    """checkpoints.restore, made to leave one of the parts it restores as it was."""
+    return lambda restore: lambda path, parts: restore(path, parts | {part: NoState()})
+
+
+def rng_left_alone(restore):
+    def restore_but_the_rng(path, parts):
+        with checkpoints.rng_kept():
+            return restore(path, parts)
+
+    return restore_but_the_rng
+
+
+def data_position_lost(restore):
+    return lambda path, parts: restore(path, parts) | {"data_position": 0}
+
+
+# What a resume could lose: the defect in checkpoints.restore, and what the check must then name
+RESUME_DEFECTS = {
+    "optimizer": (forgetting("optimizer"), "AdamW's state"),
+    "scheduler": (forgetting("scheduler"), "the learning rates"),
+    "rng": (rng_left_alone, "torch's RNG state"),
+    "data position": (data_position_lost, "the step's prompts"),
+}
+
+
+def resumed_from_old_checkpoint(folder: Path, monkeypatch) -> dict:
+    """Resume the 12-03 run folder's checkpoint-2 (tests/fixtures/) in this process for steps 3-4,
+    and what its first resumed step started from: the batch, the RNG states and the trained
+    weights as it began sampling, AdamW's state and learning rate as it began the optimizer step;
+    and the records. Each is what the processor computes with, not what it computes, so the check
+    holds on any CPU."""
+    seen = {}
+    sample, adamw_step = cwgrpo.sample, torch.optim.AdamW.step
+
+    def first_sample(model, tokenizer, batch, cfg, engine=None):
+        if "batch" not in seen:
+            trained = {
+                n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad
+            }
+            seen.update(batch=batch, rng=checkpoints.rng_states(), trained=trained)
+        return sample(model, tokenizer, batch, cfg=cfg, engine=engine)
+
+    def first_step(optimizer, *args, **kwargs):
+        if "optimizer" not in seen:
+            seen["optimizer"] = copy.deepcopy(optimizer.state_dict())
+        return adamw_step(optimizer, *args, **kwargs)
+
+    monkeypatch.setattr(cwgrpo, "sample", first_sample)
+    monkeypatch.setattr(torch.optim.AdamW, "step", first_step)
+    monkeypatch.chdir(folder)
     args = ["--preset", "tiny", "--model", "base", "--dataset", "data.jsonl", "--steps", "4"]
     args += ["--save-every", "2", "--threads", "1", "--reward-workers", "1", *LORA_ARGS]
-    args += ["--no-share-prompts"]  # its passes (shared ones agree to rounding, not bits)
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "cwgrpo.py"), *args, "--output-dir", "run", "--resume"],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path / "folder",
-        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    resumed = read_metrics(tmp_path / "folder" / "run" / "metrics.jsonl")
-    skipped = [r.pop("skipped_steps", None) for r in resumed]
-    assert skipped == [None, None, 0, 0]  # the old records as they were; the new ones count it
-    assert resumed == read_metrics(fixture / "uninterrupted.jsonl")
+    args += ["--no-share-prompts"]  # as the run was made
+    threads = torch.get_num_threads()  # --threads sets the process's
+    try:
+        cwgrpo.train(cwgrpo.parse_config([*args, "--output-dir", "run", "--resume"]))
+    finally:
+        torch.set_num_threads(threads)
+    return seen | {"records": read_metrics(folder / "run" / "metrics.jsonl")}
+
+
+def old_checkpoint_mismatches(resumed: dict) -> list[str]:
+    """What of the resumed run's first step differs from the 12-03 checkpoint's state and from
+    that day's uninterrupted run where no rounding enters: the RNG states, trained weights and
+    AdamW moments as the files hold them; the learning rates as the uninterrupted records have
+    them; the step's prompts as a twin data stream on this machine serves its third step's; the
+    first two records kept as written."""
+    checkpoint = OLD_CHECKPOINT / "run" / "checkpoint-2"
+    state = torch.load(checkpoint / "trainer_state.pt", weights_only=True)
+    moments = torch.load(checkpoint / "optimizer.pt", weights_only=True)["state"]
+    adapter = safetensors.torch.load_file(checkpoint / "adapter_model.safetensors")
+    uninterrupted = read_metrics(OLD_CHECKPOINT / "uninterrupted.jsonl")
+    cfg = cwgrpo.parse_config(["--preset", "tiny", "--model", str(OLD_CHECKPOINT / "base")])
+    dataset = loading.load_dataset(
+        str(OLD_CHECKPOINT / "data.jsonl"), "train", "problem", "solution"
+    )
+    tokenizer = loading.load_tokenizer(str(OLD_CHECKPOINT / "base"))
+    twin = PromptStream(dataset, tokenizer, cfg)
+    twin.next_batch(2 * cfg.prompts_per_step)  # steps 1 and 2
+    wrong = []
+    if not torch.equal(resumed["rng"]["torch"], state["rng"]["torch"]):
+        wrong.append("torch's RNG state")
+    if resumed["rng"]["python"] != state["rng"]["python"]:
+        wrong.append("Python's RNG state")
+    trained = {name.replace(".default.", "."): p for name, p in resumed["trained"].items()}
+    if trained.keys() != adapter.keys() or any(
+        not torch.equal(p, adapter[name]) for name, p in trained.items()
+    ):
+        wrong.append("the trained weights")
+    restored = resumed["optimizer"]["state"]
+    if restored.keys() != moments.keys() or any(
+        not torch.equal(restored[i][key], moments[i][key]) for i in moments for key in moments[i]
+    ):
+        wrong.append("AdamW's state")
+    if [r["lr"] for r in resumed["records"]] != [r["lr"] for r in uninterrupted]:
+        wrong.append("the learning rates")
+    if resumed["batch"] != twin.next_batch(cfg.prompts_per_step):
+        wrong.append("the step's prompts")
+    skipped = [r.get("skipped_steps") for r in resumed["records"]]  # counted since 12-03 only
+    if resumed["records"][:2] != uninterrupted[:2] or skipped != [None, None, 0, 0]:
+        wrong.append("the records of steps 1-2")
+    return wrong
+
+
+def test_a_checkpoint_written_by_main_of_2026_12_03_resumes_with_all_its_state(
+    tmp_path, monkeypatch
+):
+    """A run folder from before checkpoints were read with weights_only (tests/fixtures/): its
+    checkpoint-2 resumes with today's code from exactly the state that day's run held."""
+    shutil.copytree(OLD_CHECKPOINT, tmp_path / "folder")
+    resumed = resumed_from_old_checkpoint(tmp_path / "folder", monkeypatch)
+    assert old_checkpoint_mismatches(resumed) == []
+
+
+@pytest.mark.parametrize("defect", RESUME_DEFECTS)
+def test_the_old_checkpoints_check_sees_each_part_of_the_state_a_resume_could_lose(
+    defect, tmp_path, monkeypatch
+):
+    """The check above, against a resume that forgets one part of the state: it names that."""
+    defective, named = RESUME_DEFECTS[defect]
+    monkeypatch.setattr(checkpoints, "restore", defective(checkpoints.restore))
+    shutil.copytree(OLD_CHECKPOINT, tmp_path / "folder")
+    resumed = resumed_from_old_checkpoint(tmp_path / "folder", monkeypatch)
+    assert named in old_checkpoint_mismatches(resumed)
