@@ -2,104 +2,40 @@
 Reweighting", Wang et al., ACL 2026) and the token-weighting methods it is compared with, in one
 file that reads in the order a training step runs; docs/math.md has every formula.
 
-    1 config   2 sampling   3 reward   4 log-probs   5 group advantages
-    6 the methods' token weights   7 the loss   8 the training loop (a step's phases, in order)
+    Config, then one step's sections:  1 sampling  2 reward  3 log-probs  4 group advantages
+    5 the methods' token weights  6 the loss  7 the optimizer;  then the training loop, which runs
+    them in that order
 
     python cwgrpo.py --method cw --preset tiny   # CW-GRPO on a tiny model, in a minute on a CPU
     python cwgrpo.py --method cw                 # the paper's 1.5B recipe (one CUDA GPU)
+
+How and where a run runs (its folder and checkpoints, the device and precision, memory and speed,
+the vLLM sampler, LoRA) is cwgrpo_utils/'s business: RunConfig holds its options, Run its work.
 """
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 from typing import Callable, Literal
 
-from cwgrpo_utils import CPU_PRESETS, OPEN_RS_SYSTEM_PROMPT, PRECISIONS, cli, trackers
+from cwgrpo_utils import OPEN_RS_SYSTEM_PROMPT, cli
 from cwgrpo_utils.cli import arg
+from cwgrpo_utils.presets import PRESETS
+from cwgrpo_utils.run_config import RunConfig
 
-# 1. Config ----------------------------------------------------------------------------------------
-# LoRA on every linear layer at 10x full fine-tuning's learning rate ("LoRA Without Regret")
-LORA = dict(lora_rank=32, learning_rate=1e-5)
-# Each recipe's values; the Config defaults are the paper's 1.5B one (docs/math.md, "Recipe")
-PRESETS = {
-    "paper-1.5b": {},
-    # Qwen2.5-Math-7B has 4,096 positions: prompt + completion fit in them with --length-limit total
-    "paper-7b": dict(model="Qwen/Qwen2.5-Math-7B-Instruct", format_weight=0.0, steps=150),
-    # The 1.5B recipe on one 24 GB card: TRL's quick-start model, 3,072 positions, 4 prompts at once
-    "qwen0.5b-24gb": dict(
-        model="Qwen/Qwen2.5-0.5B-Instruct", max_completion_length=3072, rollout_chunk=4
-    ),
-    # The paper's model and recipe on one 24 GB card under LoRA: 3,072 positions, 4 prompts at once
-    "paper-1.5b-lora-24gb": {**LORA, "max_completion_length": 3072, "rollout_chunk": 4},
-    # ... on a free 16 GB T4 (fp16 by --precision auto): 1,536 positions, peak 13.1 of 14.7 GB
-    "paper-1.5b-lora-16gb": {**LORA, "max_completion_length": 1536, "rollout_chunk": 4},
-    # Qwen2.5-Math-7B with the paper's 7B recipe on one 80 GB card, under the same LoRA
-    "paper-7b-lora-80gb": {
-        **LORA,
-        "model": "Qwen/Qwen2.5-Math-7B-Instruct",
-        "format_weight": 0.0,
-        "steps": 150,
-    },
-    # tiny, tiny-chain and smollm2-sums: toys and a small real model for the CPU (cwgrpo_utils)
-    **CPU_PRESETS,
-}
-
-
-@dataclass
-class Method:
-    """A token-weighting method of section 6: what it does, the options it reads, what it needs."""
-
-    description: str
-    options: tuple[str, ...] = ()  # the Config fields it reads
-    clip: bool = True  # PPO's clipped surrogate (kl_cov: off)
-    update_passes: int = 1  # lopti: a pass on the low-probability tokens, then one on the rest
-    needs_stats: bool = False  # the batch's old log-probs and entropies, before the update
-    needs_divergence: bool = False  # and ict's divergence, in the same pass
-    token_terms: Callable | None = None  # (Group, Config) -> TokenTerms, set in section 6
-
-
-# The methods --method chooses from; section 6 registers each one's token terms
-METHODS = {
-    "grpo": Method("GRPO baseline, every token weight 1"),
-    "cw": Method(
-        "CW-GRPO, Gaussian-kernel covariance weights (Wang et al. 2026)",
-        ("cw_reading", "cw_norm", "cw_detach", "cw_gradient_only"),
-    ),
-    "clip_cov": Method(
-        "zero a few random high-covariance tokens (Cui et al. 2025)",
-        ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),
-    ),
-    "kl_cov": Method(
-        "|logp - old_logp| on top-covariance tokens (Cui 2025)",
-        ("kl_cov_ratio", "kl_cov_coef"),
-        clip=False,
-    ),
-    "ar": Method("advantage reweighting by alpha p + 1 - alpha (Yang et al. 2025)", ("ar_alpha",)),
-    "lopti": Method(
-        "low-probability tokens first, then the rest (Yang 2025)",
-        ("lopti_eta",),
-        update_passes=2,
-        needs_stats=True,
-    ),
-    "ar_lopti": Method(
-        "ar and lopti together (Yang et al. 2025)",
-        ("ar_lopti_alpha", "ar_lopti_eta"),
-        update_passes=2,
-        needs_stats=True,
-    ),
-    "ict": Method(
-        "PG only on the top-10% positions by JS divergence (2026)",
-        ("ict_keep_frac",),
-        needs_stats=True,
-        needs_divergence=True,
-    ),
-    "entropy20": Method(
-        "PG only on the top-20% entropy tokens (Wang 2025)", ("entropy_top_frac",), needs_stats=True
-    ),
-    "stapo": Method(
-        "silence rare, low-entropy positive tokens (STAPO, 2026)",
-        ("stapo_max_prob", "stapo_entropy_percentile"),
-        needs_stats=True,
-    ),
+# Config -------------------------------------------------------------------------------------------
+# --method's choices, in the order section 5 defines them, and the Config fields each reads
+METHOD_OPTIONS = {
+    "grpo": (),
+    "cw": ("cw_reading", "cw_norm", "cw_detach", "cw_gradient_only"),
+    "clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),
+    "kl_cov": ("kl_cov_ratio", "kl_cov_coef"),
+    "ar": ("ar_alpha",),
+    "lopti": ("lopti_eta",),
+    "ar_lopti": ("ar_lopti_alpha", "ar_lopti_eta"),
+    "ict": ("ict_keep_frac",),
+    "entropy20": ("entropy_top_frac",),
+    "stapo": ("stapo_max_prob", "stapo_entropy_percentile"),
 }
 # What each --cw-reading means (docs/fidelity.md). gradient-only is a control: weights of value
 # exactly 1 that carry the released weights' gradient
@@ -114,11 +50,14 @@ AGGREGATIONS = ("seq-mean-token-mean", "token-mean")
 
 @dataclass
 class Config:
-    """The defaults are the released 1.5B recipe (docs/math.md, "Recipe"); PRESETS override some.
-    --help shows the defaults of the --preset given (paper-1.5b when none is)."""
+    """The algorithm's options. The defaults are the released 1.5B recipe (docs/math.md, "Recipe");
+    PRESETS (cwgrpo_utils/presets.py) override some. --help shows the defaults of the --preset
+    given (paper-1.5b when none is)."""
+
+    _argument_group_name = "the algorithm (what a run computes)"
 
     preset: Literal[tuple(PRESETS)] = arg("paper-1.5b", "a recipe whose values are the defaults")
-    method: Literal[tuple(METHODS)] = arg("cw", "token-weighting method (section 6)")
+    method: Literal[tuple(METHOD_OPTIONS)] = arg("cw", "token-weighting method (section 5)")
     # Model and data
     model: str = arg("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", "hub id or local folder")
     dataset: str = arg("knoveleng/open-rs", "hub id or local .json/.jsonl/.parquet/.csv file")
@@ -127,7 +66,7 @@ class Config:
     gold_column: str = arg("solution", "column of the reference solution (parsed by math-verify)")
     system_prompt: str = arg(OPEN_RS_SYSTEM_PROMPT, "system message (Open-RS's); empty: none")
     max_prompt_length: int = arg(512, "longer prompts are skipped (and counted)", "> 0")
-    # Sampling (section 2)
+    # Sampling (section 1)
     group_size: int = arg(12, "G, completions sampled per prompt", ">= 2")
     prompts_per_step: int = arg(12, "prompts per rollout batch", "> 0")
     max_completion_length: int = arg(4096, "generation limit; see --length-limit", "> 0")
@@ -135,12 +74,11 @@ class Config:
     temperature: float = arg(0.7, "sampling temperature; log-probs use it too", "> 0")
     top_p: float = arg(1.0, "nucleus sampling; 1.0 is off (paper)", "in (0, 1]")
     top_k: int = arg(0, "top-k sampling; 0 is off (paper)", ">= 0")
-    # Reward (section 3)
+    # Reward (section 2)
     accuracy_weight: float = arg(1.0, "weight of the accuracy reward", ">= 0")
     format_weight: float = arg(1.0, "weight of the format reward", ">= 0")
     reward_timeout_s: float = arg(10.0, "hard limit on grading one completion", "> 0")
-    reward_workers: int = arg(0, "grading processes; 0: one per core, at most 8", ">= 0")
-    # The GRPO loss (section 7)
+    # The loss (section 6)
     beta: float = arg(0.04, "k3 KL coefficient; 0 loads no reference model", ">= 0")
     eps_low: float = arg(0.2, "PPO clip range below 1", ">= 0")
     eps_high: float = arg(0.2, "PPO clip range above 1", ">= 0")
@@ -150,7 +88,7 @@ class Config:
     sampler_correction: Literal[CORRECTIONS] = arg("none", "for the sampler-trainer mismatch")
     sampler_correction_cap: float = arg(3.0, "C: truncate the ratio at it, or mask above it", "> 0")
     sampler_correction_min: float = arg(0.0, "C_min: *_mask also masks ratios below it", ">= 0")
-    # Each method's options (section 6)
+    # Each method's options (section 5; METHOD_OPTIONS)
     cw_reading: Literal[tuple(CW_READINGS)] = arg("released", "cw: a reading (CW_READINGS)")
     cw_norm: Literal["padded", "valid"] = arg("padded", "cw: mean 1 over padded or real tokens")
     cw_detach: bool = arg(False, "cw: no gradient through the weights (released code: it flows)")
@@ -168,53 +106,20 @@ class Config:
     entropy_top_frac: float = arg(0.2, "entropy20: share of tokens kept", "in (0, 1]")
     stapo_max_prob: float = arg(0.01, "stapo: silence tokens with p below this ...", ">= 0")
     stapo_entropy_percentile: float = arg(5.0, "... and entropy below this pct", "in [0, 100]")
-    # Optimizer and schedule
+    # The optimizer and its schedule (section 7)
     learning_rate: float = arg(1e-6, "peak AdamW learning rate", "> 0")
     min_lr_ratio: float = arg(0.1, "the cosine schedule ends at this x peak", "in [0, 1]")
     warmup_ratio: float = arg(0.1, "share of steps with linear warmup", "in [0, 1]")
     weight_decay: float = arg(0.0, "AdamW weight decay", ">= 0")
     max_grad_norm: float = arg(1.0, "gradient clipping norm", "> 0")
-    max_skipped_steps: int = arg(
-        10, "stop after this many steps in a row skipped as not finite", "> 0"
-    )
-    # Run and output
     steps: int = arg(300, "rollout batches to train on", "> 0")
     seed: int = arg(2025, "seed of data order and sampling", ">= 0")
-    output_dir: str = arg("", "default runs/<method>-<preset>-seed<seed>")
-    save_every: int = arg(50, "write checkpoint-<step> this often", "> 0")
-    save_total_limit: int = arg(0, "keep only the newest this many checkpoints; 0: all", ">= 0")
-    resume: bool = arg(False, "continue from the newest complete checkpoint in --output-dir")
-    overwrite_output_dir: bool = arg(False, "start afresh in an --output-dir that holds a run")
-    log_every: int = arg(10, "without a terminal, a progress line every this many steps", "> 0")
-    plan: bool = arg(False, "print the memory and disk plan (cwgrpo_utils/memory_plan.py), exit")
-    # Memory and speed
-    groups_per_micro_batch: int = arg(1, "whole groups per forward/backward; 0: all", ">= 0")
-    rollout_chunk: int = arg(0, "prompts sampled at once (bounds the KV cache); 0: all", ">= 0")
-    share_prompts: bool = arg(True, "encode each group's prompt once, not once for each completion")
-    gradient_checkpointing: bool = arg(True, "recompute activations in backward to save memory")
-    logit_chunk_elements: int = arg(2**26, "logits the LM head holds at once", "> 0")
-    device: str = arg("auto", "auto (cuda if present), cuda or cpu")
-    precision: Literal[PRECISIONS] = arg("auto", "auto: bf16 on CUDA 8.0+, fp16 on 7.x, CPU fp32")
-    threads: int = arg(0, "CPU threads of torch; 0: torch's default", ">= 0")
-    # Plumbing: the vLLM sampler, LoRA, trackers
-    rollout: Literal["hf", "vllm"] = arg("hf", "sampler: hf (section 2's loop) or vllm")
-    vllm_gpu_memory_utilization: float = arg(0.3, "vllm on CUDA: its share of the GPU", "in (0, 1]")
-    lora_rank: int = arg(0, "LoRA rank r; 0: full fine-tuning, as the paper", ">= 0")
-    lora_alpha: float = arg(32.0, "LoRA: the adapter's update is scaled by alpha / r", "> 0")
-    lora_target_modules: str = arg("all-linear", "LoRA: the layers it adapts, comma-separated")
-    report_to: list[str] = arg(["none"], "none, or trackers: tensorboard wandb trackio")
 
     def __post_init__(self):
         """Every value is checked here, at parse time, before any slow work."""
         cli.check_ranges(self)
         lb, ub = self.clip_cov_lb, self.clip_cov_ub
         cli.check(lb < ub, f"--clip-cov-lb ({lb}) must be below --clip-cov-ub ({ub})")
-        groups, per_micro_batch = self.prompts_per_step, self.groups_per_micro_batch
-        cli.check(
-            groups % (per_micro_batch or groups) == 0,
-            f"--prompts-per-step ({groups}) must be a multiple of --groups-per-micro-batch "
-            f"({per_micro_batch})",
-        )
         cli.check(
             self.length_limit == "new" or self.max_prompt_length < self.max_completion_length,
             f"--max-prompt-length ({self.max_prompt_length}) leaves no room for a completion "
@@ -224,40 +129,46 @@ class Config:
         if self.cw_reading != "released":  # the one place a reading is resolved
             for name, value in CW_READINGS[self.cw_reading].items():
                 setattr(self, name, value)
-        self.output_dir = self.output_dir or f"runs/{self.method}-{self.preset}-seed{self.seed}"
 
 
-def parse_config(argv=None, *extra, hidden: tuple = (), prog: str | None = None):
-    """The run's Config (and those of extra dataclasses a tool adds): the --preset's values as
-    defaults, then the command line; `hidden` options are left out of a tool's --help."""
+def parse_config(argv=None, *extra, hidden: tuple = (), prog: str | None = None) -> list:
+    """[the algorithm's Config, the run's RunConfig, and one of each dataclass a tool adds] from
+    the command line, the --preset's values as defaults; `hidden` options are left out of a tool's
+    --help."""
     argv = sys.argv[1:] if argv is None else list(argv)
     about = __doc__.split("\n\n")[0]
     parsed, given = cli.parse_dataclasses(
-        [Config, *extra], argv, presets=PRESETS, hidden=hidden, description=about, prog=prog
+        [Config, RunConfig, *extra],
+        argv,
+        presets=PRESETS,
+        hidden=hidden,
+        description=about,
+        prog=prog,
     )
-    cfg = parsed[0]
+    cfg, run_cfg = parsed[:2]
     cli.check_implied(given, "cw_reading", CW_READINGS)  # a reading names three choices
-    options_of = {name: method.options for name, method in METHODS.items()}
-    cli.note_unused(given, "method", cfg.method, options_of=options_of)
+    cli.note_unused(given, "method", cfg.method, options_of=METHOD_OPTIONS)
+    groups, per_micro_batch = cfg.prompts_per_step, run_cfg.groups_per_micro_batch
+    cli.check(
+        groups % (per_micro_batch or groups) == 0,
+        f"--prompts-per-step ({groups}) must be a multiple of --groups-per-micro-batch "
+        f"({per_micro_batch})",
+    )
     if cfg.method == "kl_cov" and cfg.num_iterations == 1:
         note = "note: kl_cov's |logp - old_logp| is 0 with one update per batch: it trains as GRPO"
         cli.warn_once(note, note + "; use --num-iterations 2")
-    if cfg.rollout == "vllm" and not cfg.plan:  # a plan needs no engine
-        cli.require("vllm", "--rollout vllm")
-    trackers.check(cfg.report_to)
-    return parsed if extra else cfg
+    run_cfg.output_dir = run_cfg.output_dir or f"runs/{cfg.method}-{cfg.preset}-seed{cfg.seed}"
+    return parsed
 
 
 if __name__ == "__main__":  # --help and a bad option answer here, before the heavy imports below
-    CONFIG = parse_config()
+    CONFIG, RUN_CONFIG = parse_config()
 
-# What a run needs once its command line is known (pyproject.toml lets these follow section 1)
-import dataclasses
+# What a run needs once its command line is known (pyproject.toml lets these follow the Config)
 import functools
 import math
 import os
 import random
-import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -266,23 +177,20 @@ import transformers
 from latex2sympy2_extended import NormalizationConfig
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-from cwgrpo_utils import checkpoints, loading, lora, memory_plan, metrics, plots, presets, tiny
+from cwgrpo_utils import fast_logprobs, loading, lora, metrics
 from cwgrpo_utils.batch import Rows
 from cwgrpo_utils.grading_pool import CachedTimeoutPool, LogCounter
-from cwgrpo_utils.lm_head import chunked_logprobs, ict_divergence
-from cwgrpo_utils.precision import Precision, SkippedSteps
+from cwgrpo_utils.lm_head import ict_divergence
 from cwgrpo_utils.prompts import PromptStream
-from cwgrpo_utils.run_folder import Progress, RunFolder
-from cwgrpo_utils.shared_prompt import completion_states
-from cwgrpo_utils.token_page import TokenPage
+from cwgrpo_utils.run import Run
 from cwgrpo_utils.vllm_engine import Engine
 
 
-# 2. Sampling ------------------------------------------------------------------------------------
+# 1. Sampling --------------------------------------------------------------------------------------
 @dataclass
 class Rollout(Rows):
     """One rollout batch: N = prompts x G completions, consecutive rows forming a group; select and
-    micro_batches (cwgrpo_utils/batch.py) slice its rows."""
+    micro_batches (cwgrpo_utils/batch.py) give a part of its rows, itself a Rollout."""
 
     prompt_ids: torch.Tensor  # (N, P) left-padded
     prompt_mask: torch.Tensor  # (N, P)
@@ -302,8 +210,8 @@ class Rollout(Rows):
     divergence: torch.Tensor = None  # (N, T) ict's score
     ref_logp: torch.Tensor = None  # (N, T) only when beta > 0
     batch_entropy: torch.Tensor = None  # the sorted entropies of all the batch's valid tokens
-    # For tools/diagnose.py alone: the tokens whose loss counts (None: every valid token)
-    active: torch.Tensor = None  # (N, T)
+    # A hook for tools/diagnose.py alone: only these tokens' loss counts (None: every valid token)
+    diagnose_tokens: torch.Tensor = None  # (N, T)
 
 
 class Sampling(NamedTuple):
@@ -320,9 +228,10 @@ class Sampling(NamedTuple):
 
 
 @torch.no_grad()
-def sample(model, tokenizer, batch: list[tuple[list[int], str]], cfg: Config, engine=None):
+def sample(model, tokenizer, batch: list[tuple[list[int], str]], cfg, run_cfg, engine=None):
     """G completions per prompt, by the token loop below or, given one, a vLLM engine that
-    samples from `model`'s weights."""
+    samples from `model`'s weights; --rollout-chunk prompts at a time and each group's prompt
+    prefilled once (--share-prompts), as the run asks."""
     model.eval()
     limit = cfg.max_completion_length
     total = limit if cfg.length_limit == "total" else None  # prompt + completion within the limit
@@ -340,9 +249,9 @@ def sample(model, tokenizer, batch: list[tuple[list[int], str]], cfg: Config, en
         tokenizer,
         prompts,
         how=how,
-        chunk=cfg.rollout_chunk,
+        chunk=run_cfg.rollout_chunk,
         engine=engine,
-        share=cfg.share_prompts,
+        share=run_cfg.share_prompts,
     )
     rollout.golds = [gold for _, gold in batch for _ in range(cfg.group_size)]
     if cfg.mask_truncated_completions:  # out of the loss, not out of the reward
@@ -356,7 +265,7 @@ def generate_completions(
 ):
     """how.n completions of each prompt as one Rollout. With chunk, that many prompts are sampled
     at a time, each chunk as if alone, which bounds the KV cache. With an engine, vLLM samples
-    (model None: an engine with weights of its own, evaluate.py's); else section 2's loop, with
+    (model None: an engine with weights of its own, evaluate.py's); else this section's loop, with
     share each prompt prefilled once for its n rows."""
     if chunk and engine is None and chunk < len(prompts):  # a KV cache of `chunk` prompts at once
         parts = [
@@ -377,7 +286,7 @@ def generate_completions(
     row_limits = torch.tensor(limits, device=device).repeat_interleave(how.n)  # (N,)
     if engine is not None:
         ids, logp = engine.generate(model, prompts, how, limits=limits, eos=eos, pad=pad)
-    else:  # section 2's token loop
+    else:  # this section's token loop
         steps = max(limits)
         ids, logp = sample_tokens(
             model, prompt_ids, prompt_mask, how=how, steps=steps, eos=eos, pad=pad, share=share
@@ -390,14 +299,14 @@ def generate_completions(
     truncated = ~is_eos.any(1)
     last = torch.where(truncated, row_limits - 1, is_eos.int().argmax(1))
     mask = (positions[None, :] <= last[:, None]).float()  # (N, T)
-    rows = [row[:k] for row, k in zip(ids.tolist(), mask.sum(1).long().tolist())]
+    sequences = [row[:k] for row, k in zip(ids.tolist(), mask.sum(1).long().tolist())]
     return Rollout(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
         completion_ids=ids,
         completion_mask=mask,
         truncated=truncated,
-        texts=tokenizer.batch_decode(rows, skip_special_tokens=True),
+        texts=tokenizer.batch_decode(sequences, skip_special_tokens=True),
         sampler_logp=logp * mask,
     )
 
@@ -422,11 +331,11 @@ def sample_tokens(model, prompt_ids, prompt_mask, how, steps, eos, pad, cache=No
     eos = torch.tensor(eos, device=prompt_ids.device)
     for step in range(steps):
         prefill = step == 0
-        rows = slice(None, None, how.n) if prefill and share else slice(None)  # = every row
+        fed = slice(None, None, how.n) if prefill and share else slice(None)  # = every row
         logits = model(
-            input_ids=input_ids[rows],
-            attention_mask=loading.attention_mask(model, attention[rows]) if prefill else attention,
-            position_ids=positions[rows],
+            input_ids=input_ids[fed],
+            attention_mask=loading.attention_mask(model, attention[fed]) if prefill else attention,
+            position_ids=positions[fed],
             use_cache=True,
             logits_to_keep=1,
             **cache_argument,
@@ -456,7 +365,7 @@ def sample_tokens(model, prompt_ids, prompt_mask, how, steps, eos, pad, cache=No
     return torch.stack(tokens, 1), torch.stack(logps, 1)
 
 
-# 3. Reward: math-verify accuracy + format (docs/math.md, "Reward") ------------------------------
+# 2. Reward: math-verify accuracy + format (docs/math.md, "Reward") --------------------------------
 class Grade(NamedTuple):
     accuracy: float
     gold_parsed: bool  # False: the gold could not be parsed, so the score is 0 by rule
@@ -507,78 +416,96 @@ class Grader(CachedTimeoutPool):
         return self.map([(completion, gold, gold_format)])[0]
 
 
-# 4. Log-probs and entropy, chunked over positions -----------------------------------------------
-def completion_logprobs(model, rollout: Rollout, cfg: Config):
-    """(N, T) log-probs of the sampled completion tokens and the entropies there, 0 on padding;
-    and the (N, T, hidden) states that predict them."""
-    if cfg.share_prompts:  # = the pass below, each group's prompt encoded once (shared_prompt.py)
-        hidden = completion_states(model.get_decoder(), rollout, cfg.group_size)
-    else:  # the decoder over each row's [prompt, completion]
-        input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)  # (N, P + T)
-        attention_mask_2d = torch.cat([rollout.prompt_mask, rollout.completion_mask.long()], 1)
-        position_ids = (attention_mask_2d.cumsum(1) - 1).clamp(min=0)  # as in sampling
+# 3. Log-probs and entropy -------------------------------------------------------------------------
+def completion_states(model, rows: Rollout) -> torch.Tensor:
+    """(rows, T, hidden): the decoder's last states at the positions that predict each completion
+    token, from one forward over each row's prompt + completion."""
+    input_ids = torch.cat([rows.prompt_ids, rows.completion_ids], 1)  # (rows, P + T)
+    attention_mask_2d = torch.cat([rows.prompt_mask, rows.completion_mask.long()], 1)
+    position_ids = (attention_mask_2d.cumsum(1) - 1).clamp(min=0)  # as in sampling
+    hidden = model.get_decoder()(
+        input_ids=input_ids,
         # = attention_mask_2d, as a mask no fully padded query row can turn into NaN (loading.py)
-        mask = loading.attention_mask(model, attention_mask_2d)
-        hidden = model.get_decoder()(
-            input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state  # (N, P + T, hidden)
-        prompt_width = rollout.prompt_ids.shape[1]
-        hidden = hidden[:, prompt_width - 1 : -1]  # (N, T, hidden): position t predicts token t
-    valid = rollout.completion_mask.bool()
-    head = model.get_output_embeddings().weight  # (vocab, hidden)
-    # = log_softmax(hidden @ head.T / T).gather(targets) and its entropy, a chunk of positions at
-    # a time, never holding vocab x length logits (cwgrpo_utils/lm_head.py)
-    targets = rollout.completion_ids[valid]
-    chunk = cfg.logit_chunk_elements
-    logp_valid, entropy_valid = chunked_logprobs(
-        hidden[valid], head, targets, temperature=cfg.temperature, chunk_elements=chunk
-    )  # (valid tokens,) each
-    logp = torch.zeros(valid.shape, device=hidden.device, dtype=logp_valid.dtype)  # (N, T)
-    entropy = torch.zeros_like(logp)
-    logp[valid] = logp_valid
-    entropy[valid] = entropy_valid
-    return logp, entropy, hidden
+        attention_mask=loading.attention_mask(model, attention_mask_2d),
+        position_ids=position_ids,
+        use_cache=False,
+    ).last_hidden_state  # (rows, P + T, hidden)
+    prompt_width = rows.prompt_ids.shape[1]
+    return hidden[:, prompt_width - 1 : -1]  # (rows, T, hidden): position t predicts token t
+
+
+def completion_logprobs(model, rows: Rollout, temperature: float):
+    """(rows, T) log-probs of the sampled completion tokens under softmax(logits / temperature),
+    the distribution they were sampled from, and the entropies there, 0 on padding; and the
+    (rows, T, hidden) states that predict them."""
+    hidden = completion_states(model, rows)  # (rows, T, hidden)
+    logits = model.get_output_embeddings()(hidden).float() / temperature  # (rows, T, vocab)
+    logp_all = logits.log_softmax(-1)
+    logp = logp_all.gather(-1, rows.completion_ids[..., None]).squeeze(-1)  # (rows, T)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)  # (rows, T)
+    return logp * rows.completion_mask, entropy * rows.completion_mask, hidden
+
+
+def logprobs_of_run(run_cfg: RunConfig, group_size: int) -> Callable:
+    """completion_logprobs above or, where the run turns them on (the default), its fast drop-in:
+    each group's prompt encoded once (--share-prompts), the LM head a chunk of positions at a
+    time (--logit-chunk-elements), the same values to rounding in a fraction of the memory
+    (cwgrpo_utils/fast_logprobs.py; tested equal)."""
+    if not run_cfg.share_prompts and not run_cfg.logit_chunk_elements:
+        return completion_logprobs
+    shared = functools.partial(fast_logprobs.shared_states, group_size=group_size)
+    return functools.partial(
+        fast_logprobs.completion_logprobs,
+        states=shared if run_cfg.share_prompts else completion_states,
+        chunk_elements=run_cfg.logit_chunk_elements,
+    )
+
+
+def micro_batch_rows(cfg: Config, run_cfg: RunConfig) -> int:
+    """The rows a forward (and backward) pass holds: --groups-per-micro-batch whole groups."""
+    return (run_cfg.groups_per_micro_batch or cfg.prompts_per_step) * cfg.group_size
 
 
 @torch.no_grad()
-def policy_token_stats(model, rollout: Rollout, cfg: Config, divergence: bool = False) -> dict:
+def policy_token_stats(model, rollout: Rollout, cfg, run_cfg, divergence: bool = False) -> dict:
     """(N, T) log-probs and entropies of the batch's tokens under `model` (policy or reference),
-    without gradient, and ict's divergence on request; 0 on padding."""
+    without gradient, a micro-batch at a time, and ict's divergence on request; 0 on padding."""
+    logprobs = logprobs_of_run(run_cfg, cfg.group_size)
     names = ["logp", "entropy", "divergence"] if divergence else ["logp", "entropy"]
     out = {name: torch.zeros_like(rollout.completion_mask) for name in names}
-    for block, part in rollout.micro_batches(cfg):
-        logp, entropy, hidden = completion_logprobs(model, part, cfg)
+    for block, rows in rollout.micro_batches(micro_batch_rows(cfg, run_cfg)):
+        logp, entropy, hidden = logprobs(model, rows, cfg.temperature)
         out["logp"][block] = logp
         out["entropy"][block] = entropy
         if divergence:  # = JS(p[i,t] || mean of the group's p[., t]), streamed (lm_head.py)
             out["divergence"][block] = ict_divergence(
                 hidden,
                 model.get_output_embeddings().weight,
-                part.completion_mask,
+                rows.completion_mask,
                 temperature=cfg.temperature,
-                chunk_elements=cfg.logit_chunk_elements,
+                chunk_elements=run_cfg.logit_chunk_elements,
                 group_size=cfg.group_size,
             )
     return out
 
 
-def old_and_reference_logprobs(model, reference, rollout: Rollout, cfg: Config) -> None:
+def old_and_reference_logprobs(model, reference, rollout: Rollout, cfg, run_cfg) -> None:
     """Into the rollout, without gradient: the rollout policy's log-probs and entropies where the
     update needs them (more than one update per batch, or a method that reads them), and the
     frozen reference's log-probs for the KL (beta > 0)."""
     method = METHODS[cfg.method]
     if cfg.num_iterations > 1 or method.needs_stats:
-        stats = policy_token_stats(model, rollout, cfg, divergence=method.needs_divergence)
+        stats = policy_token_stats(model, rollout, cfg, run_cfg, divergence=method.needs_divergence)
         rollout.old_logp = stats["logp"]
         rollout.entropy = stats["entropy"]
         rollout.divergence = stats.get("divergence")
         rollout.batch_entropy = rollout.entropy[rollout.completion_mask.bool()].sort().values
     if cfg.beta > 0:  # the KL reference: a frozen copy, or under LoRA the base (adapter off)
         with lora.reference_of(model, reference) as frozen:
-            rollout.ref_logp = policy_token_stats(frozen, rollout, cfg)["logp"]
+            rollout.ref_logp = policy_token_stats(frozen, rollout, cfg, run_cfg)["logp"]
 
 
-# 5. Group advantages ----------------------------------------------------------------------------
+# 4. Group advantages ------------------------------------------------------------------------------
 def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """A_i = (R_i - mean(R)) / (std(R) + 1e-4) within each group, Bessel std (GRPO; math.md)."""
     groups = rewards.view(-1, group_size)  # (prompts, G)
@@ -587,7 +514,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def rollout_rewards(rollout: Rollout, grades: list[Grade], cfg: Config) -> dict:
-    """Sets the batch's rewards and group advantages; returns the rollout's metrics."""
+    """Sets the batch's rewards and group advantages; returns the rollout's figures."""
     accuracy = torch.tensor([g.accuracy for g in grades])  # (N,)
     formats = torch.tensor([format_reward(text) for text in rollout.texts])  # (N,)
     rollout.rewards = cfg.accuracy_weight * accuracy + cfg.format_weight * formats
@@ -597,7 +524,7 @@ def rollout_rewards(rollout: Rollout, grades: list[Grade], cfg: Config) -> dict:
     return metrics.rollout_metrics(rollout, formats, grades, group_size=cfg.group_size)
 
 
-# 6. The methods: how each one changes the per-token loss (docs/math.md, "Methods") --------------
+# 5. The methods' token weights: how each one changes the per-token loss (math.md, "Methods") ------
 class Group(NamedTuple):
     """What a method sees of one group of G responses (T = the micro-batch's longest response)."""
 
@@ -610,6 +537,24 @@ class Group(NamedTuple):
     divergence: torch.Tensor | None  # (G, T) ict's JS score, for the methods that ask for it
     update_pass: int  # 0; lopti's second (high-probability) pass is 1
 
+    @classmethod
+    def split(cls, rows: Rollout, logp, old_logp, entropy, update_pass: int, size: int) -> list:
+        """The groups of `size` rows of a micro-batch, each with its rows of the (rows, T) ones."""
+        groups = [slice(start, start + size) for start in range(0, len(logp), size)]
+        return [
+            cls(
+                logp=logp[g],
+                old_logp=old_logp[g],
+                advantages=rows.advantages[g],
+                mask=rows.completion_mask[g],
+                entropy=entropy[g],
+                batch_entropy=rows.batch_entropy,
+                divergence=None if rows.divergence is None else rows.divergence[g],
+                update_pass=update_pass,
+            )
+            for g in groups
+        ]
+
 
 class TokenTerms(NamedTuple):
     """How a method changes the per-token loss w * pg + beta * k3."""
@@ -618,7 +563,47 @@ class TokenTerms(NamedTuple):
     extra: torch.Tensor | None = None  # (G, T) a per-token term added to the loss (kl_cov)
     active: torch.Tensor | None = None  # (G, T) tokens whose PG and KL terms count in this pass
 
+    @classmethod
+    def joined(cls, groups: list["TokenTerms"]) -> "TokenTerms":
+        """Groups' terms side by side, as their micro-batch's (rows, T) ones."""
+        pg_weight = torch.cat([terms.pg_weight for terms in groups])
+        extra = None if groups[0].extra is None else torch.cat([terms.extra for terms in groups])
+        active = None if groups[0].active is None else torch.cat([t.active for t in groups])
+        return cls(pg_weight, extra, active)
 
+
+@dataclass
+class Method:
+    """A token-weighting method of this section: its token terms, and what the loop does for it."""
+
+    token_terms: Callable  # (Group, Config) -> TokenTerms
+    description: str
+    clip: bool = True  # PPO's clipped surrogate (kl_cov: off)
+    update_passes: int = 1  # lopti: a pass on the low-probability tokens, then one on the rest
+    needs_stats: bool = False  # the batch's old log-probs and entropies, before the update
+    needs_divergence: bool = False  # and ict's divergence, in the same pass
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        """The Config fields it reads."""
+        return METHOD_OPTIONS[self.token_terms.__name__]
+
+
+METHODS: dict[str, Method] = {}  # --method's choices, each registered where it is defined
+
+
+def register_method(description: str, **needs) -> Callable:
+    """Registers the token-terms function it decorates under its own name, with what it needs of
+    the loop (Method's fields), as verl's register_policy_loss does."""
+
+    def register(token_terms: Callable) -> Callable:
+        METHODS[token_terms.__name__] = Method(token_terms, description, **needs)
+        return token_terms
+
+    return register
+
+
+@register_method("GRPO baseline, every token weight 1")
 def grpo(group: Group, cfg: Config) -> TokenTerms:
     return TokenTerms(group.mask)  # w = 1 (Shao et al. 2024)
 
@@ -675,6 +660,7 @@ def cw_weights(logp, adv, mask, *, norm: str = "padded", detach: bool = False) -
     return weights.detach() if detach else weights  # 7.
 
 
+@register_method("CW-GRPO, Gaussian-kernel covariance weights (Wang et al. 2026)")
 def cw(group: Group, cfg: Config) -> TokenTerms:
     weights = cw_weights(
         group.logp, group.advantages, group.mask, norm=cfg.cw_norm, detach=cfg.cw_detach
@@ -699,6 +685,7 @@ def ppo_clipped(ratio: torch.Tensor, adv: torch.Tensor, cfg: Config) -> torch.Te
     return low | high
 
 
+@register_method("zero a few random high-covariance tokens (Cui et al. 2025)")
 def clip_cov(group: Group, cfg: Config) -> TokenTerms:
     """Clip-Cov (Cui et al. 2025): zero the loss of a few random tokens with lb < C < ub."""
     cov = token_covariance(group.logp, group.advantages, group.mask)
@@ -713,6 +700,7 @@ def clip_cov(group: Group, cfg: Config) -> TokenTerms:
     return TokenTerms(weight)
 
 
+@register_method("|logp - old_logp| on top-covariance tokens (Cui 2025)", clip=False)
 def kl_cov(group: Group, cfg: Config) -> TokenTerms:
     """KL-Cov (Cui et al. 2025): no clipping; |logp - old_logp| on the top-k tokens by C."""
     cov = token_covariance(group.logp, group.advantages, group.mask)
@@ -724,12 +712,16 @@ def kl_cov(group: Group, cfg: Config) -> TokenTerms:
     return TokenTerms(group.mask, extra=extra)
 
 
+@register_method("advantage reweighting by alpha p + 1 - alpha (Yang et al. 2025)")
 def ar(group: Group, cfg: Config, alpha: float | None = None) -> TokenTerms:
     """Advantage reweighting (Yang et al. 2025, Eq. 4): w = alpha p_old + 1 - alpha, constant."""
     alpha = cfg.ar_alpha if alpha is None else alpha
     return TokenTerms((alpha * group.old_logp.exp() + 1 - alpha) * group.mask)
 
 
+@register_method(
+    "low-probability tokens first, then the rest (Yang 2025)", update_passes=2, needs_stats=True
+)
 def lopti(group: Group, cfg: Config, eta: float | None = None, w=None) -> TokenTerms:
     """Lopti (Yang et al. 2025): pass 0 updates the tokens with p_old < eta, pass 1 the rest."""
     low = group.old_logp.exp() < (cfg.lopti_eta if eta is None else eta)
@@ -737,6 +729,7 @@ def lopti(group: Group, cfg: Config, eta: float | None = None, w=None) -> TokenT
     return TokenTerms(group.mask if w is None else w, active=active)
 
 
+@register_method("ar and lopti together (Yang et al. 2025)", update_passes=2, needs_stats=True)
 def ar_lopti(group: Group, cfg: Config) -> TokenTerms:
     weights = ar(group, cfg, alpha=cfg.ar_lopti_alpha).pg_weight
     return lopti(group, cfg, eta=cfg.ar_lopti_eta, w=weights)
@@ -747,6 +740,11 @@ def renormalised(keep: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return keep * mask.sum(1, keepdim=True) / keep.sum(1, keepdim=True).clamp(min=1)
 
 
+@register_method(
+    "PG only on the top-10% positions by JS divergence (2026)",
+    needs_stats=True,
+    needs_divergence=True,
+)
 def ict(group: Group, cfg: Config) -> TokenTerms:
     """ICT (Beyond Entropy, 2026): keep each response's top positions by JS divergence."""
     keep_counts = (cfg.ict_keep_frac * group.mask.sum(1)).ceil().clamp(min=1)  # (G,)
@@ -766,12 +764,14 @@ def sorted_quantile(sorted_values: torch.Tensor, q: float) -> torch.Tensor:
     return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
 
 
+@register_method("PG only on the top-20% entropy tokens (Wang 2025)", needs_stats=True)
 def entropy20(group: Group, cfg: Config) -> TokenTerms:
     """80/20 (Wang et al. 2025): PG only on tokens at or above the batch's 80th entropy pct."""
     threshold = sorted_quantile(group.batch_entropy, 1 - cfg.entropy_top_frac)
     return TokenTerms(group.mask * (group.entropy >= threshold))
 
 
+@register_method("silence rare, low-entropy positive tokens (STAPO, 2026)", needs_stats=True)
 def stapo(group: Group, cfg: Config) -> TokenTerms:
     """STAPO (2026): silence positive-advantage tokens that are rare and low-entropy."""
     threshold = sorted_quantile(group.batch_entropy, cfg.stapo_entropy_percentile / 100)
@@ -780,150 +780,110 @@ def stapo(group: Group, cfg: Config) -> TokenTerms:
     return TokenTerms(renormalised(group.mask * ~spurious, group.mask))
 
 
-# Each METHODS entry's token terms: the function of its name above
-for token_terms in (grpo, cw, clip_cov, kl_cov, ar, lopti, ar_lopti, ict, entropy20, stapo):
-    METHODS[token_terms.__name__].token_terms = token_terms
-
-
 @torch.no_grad()
-def every_methods_weights(model, rows: Rollout, cfg: Config) -> dict:
+def every_methods_weights(model, rows: Rollout, cfg, run_cfg) -> dict:
     """What every method's every update pass makes of the same scored rows, side by side (the
     run's tokens.html shows its first group's): (method, pass) -> (w x active, tokens touched),
-    and each token's log-prob and covariance score (cw step 3); each (rows, T)."""
-    stats = policy_token_stats(model, rows, cfg, divergence=True)
+    each token's log-prob and its covariance score (cw step 3); each (rows, T)."""
+    stats = policy_token_stats(model, rows, cfg, run_cfg, divergence=True)
     logp = stats["logp"]
     entropy = stats["entropy"]
     batch_entropy = entropy[rows.completion_mask.bool()].sort().values
     rows = dataclasses.replace(rows, divergence=stats["divergence"], batch_entropy=batch_entropy)
-    out = {"logp": logp, "cov": covariance_score(logp, rows.advantages, rows.completion_mask)}
+    out = {"logp": logp, "score": covariance_score(logp, rows.advantages, rows.completion_mask)}
     for name, method in METHODS.items():
         for update_pass in range(method.update_passes):
             one = dataclasses.replace(cfg, method=name)
-            terms = micro_batch_terms(logp, logp, entropy, rows, cfg=one, update_pass=update_pass)
+            groups = Group.split(rows, logp, logp, entropy, update_pass, size=cfg.group_size)
+            terms = TokenTerms.joined([method.token_terms(group, one) for group in groups])
             active = 1 if terms.active is None else terms.active
             out[name, update_pass] = (terms.pg_weight * active, metrics.touched_tokens(terms))
     return out
 
 
-# 7. The loss ------------------------------------------------------------------------------------
-def token_loss(logp, old_logp, ref_logp, advantages, terms: TokenTerms, cfg, clip=True, r=None):
-    """Per-token loss w pg + beta k3 (+ a method's extra term), in docs/math.md's symbols: rho the
-    ratio pi / pi_old, A the advantage, w the method's weight, r the sampler correction, which
-    weights the PG term alone ("Sampler-trainer mismatch"); each (N, T)."""
-    ratio = torch.exp(logp - old_logp)  # rho: exactly 1 with one update per batch
-    adv = advantages[:, None]  # (N, 1): a response's advantage, on each of its tokens
-    pg = -ratio * adv  # -rho A
-    if clip:  # PPO's clipped surrogate: max(-rho A, -clip(rho, 1 - eps_low, 1 + eps_high) A)
-        pg = torch.max(pg, -ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * adv)
-    loss = terms.pg_weight * pg if r is None else terms.pg_weight * pg * r
-    if terms.extra is not None:
-        loss = loss + terms.extra
-    if ref_logp is not None:
-        loss = loss + cfg.beta * k3(logp, ref_logp)
-    return loss if terms.active is None else loss * terms.active
-
-
+# 6. The loss --------------------------------------------------------------------------------------
 def k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Schulman's k3 estimator of KL(pi || pi_ref): exp(ref - logp) - (ref - logp) - 1 >= 0."""
     return torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
 
 
-def aggregate(per_token, mask, mode: str, n_responses: int, n_tokens: int) -> torch.Tensor:
-    """The step's loss summed over micro-batches: divide by step-wide totals."""
-    if mode == "seq-mean-token-mean":  # a response's token mean, then the mean over responses
-        return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / n_responses
-    return (per_token * mask).sum() / n_tokens  # every token of the step alike (DAPO)
-
-
 def sampler_correction(old_logp, sampler_logp, mask, cfg: Config) -> torch.Tensor | None:
-    """The sampler correction r (math.md, "Sampler-trainer mismatch"), as TRL's: exp(l - s) per
+    """The sampler correction c (math.md, "Sampler-trainer mismatch"), as TRL's: exp(l - s) per
     token, or per sequence summed in log space (a long sum neither overflows nor gives 0 x inf);
-    truncate: min(r, C); mask: r, but 0 outside [C_min, C]. None: none, the released recipe."""
+    truncate: min(c, C); mask: c, but 0 outside [C_min, C]. None: none, the released recipe."""
     if cfg.sampler_correction == "none":
         return None
-    log_r = (old_logp - sampler_logp) * mask  # (N, T)
+    log_c = (old_logp - sampler_logp) * mask  # (N, T)
     if cfg.sampler_correction.startswith("sequence"):
-        log_r = log_r.sum(1, keepdim=True)  # (N, 1)
-    r = log_r.clamp(max=math.log(cfg.sampler_correction_cap)).exp()
+        log_c = log_c.sum(1, keepdim=True)  # (N, 1)
+    correction = log_c.clamp(max=math.log(cfg.sampler_correction_cap)).exp()
     if cfg.sampler_correction.endswith("truncate"):
-        return r
-    inside = (log_r <= math.log(cfg.sampler_correction_cap)) & (r >= cfg.sampler_correction_min)
-    return r * inside
+        return correction
+    inside = log_c <= math.log(cfg.sampler_correction_cap)
+    return correction * (inside & (correction >= cfg.sampler_correction_min))
 
 
-def micro_batch_terms(logp, old_logp, entropy, rollout: Rollout, cfg: Config, update_pass: int):
-    """The method's token terms, group by group (section 6), side by side over the micro-batch."""
-    token_terms = METHODS[cfg.method].token_terms
-    parts = []
-    for start in range(0, len(logp), cfg.group_size):
-        g = slice(start, start + cfg.group_size)
-        group = Group(
-            logp=logp[g],
-            old_logp=old_logp[g],
-            advantages=rollout.advantages[g],
-            mask=rollout.completion_mask[g],
-            entropy=entropy[g],
-            batch_entropy=rollout.batch_entropy,
-            divergence=None if rollout.divergence is None else rollout.divergence[g],
-            update_pass=update_pass,
-        )
-        parts.append(token_terms(group, cfg))
-    pg_weight = torch.cat([terms.pg_weight for terms in parts])  # (rows, T)
-    extra = None if parts[0].extra is None else torch.cat([terms.extra for terms in parts])
-    active = None if parts[0].active is None else torch.cat([terms.active for terms in parts])
-    if rollout.active is not None:  # tools/diagnose.py's tokens
-        active = rollout.active if active is None else rollout.active * active
-    return TokenTerms(pg_weight, extra, active)
+class LossParts(NamedTuple):
+    """A micro-batch's loss per token, and what of it the metrics read; each (rows, T)."""
+
+    per_token: torch.Tensor  # w pg c + extra + beta k3, times active
+    terms: TokenTerms  # the method's
+    old_logp: torch.Tensor
+    entropy: torch.Tensor  # the rollout policy's where measured, else the update's own
+    kl: torch.Tensor | None  # k3, without gradient; None without a reference
+    clipped: torch.Tensor  # tokens whose PG term PPO's clip holds constant
 
 
-def accumulate_gradients(model, rollout: Rollout, cfg, autocast, update_pass: int = 0, scaler=None):
-    """The step's loss, micro-batch by micro-batch, each one's gradient summed into .grad (scaled
-    by fp16's loss scaler, if given): the loss, and each micro-batch's per-token values for the
-    metrics."""
-    model.train()
+def policy_loss(
+    logp, entropy, rows: Rollout, cfg, update_pass: int, n_responses: int, n_tokens: int
+):
+    """The loss of a micro-batch of whole groups, in docs/math.md's symbols ("Loss"): per token
+    w * max(-rho A, -clip(rho, 1 - eps_low, 1 + eps_high) A) * c + beta * k3, w the method's
+    weight (section 5), rho = pi / pi_old, A the response's advantage, c the sampler correction;
+    averaged over each response's tokens, then over the step's n_responses (GRPO's), or over the
+    step's n_tokens (DAPO's token-mean). Divided by the step's totals, the micro-batches' losses
+    and gradients add up to the step's. Returns the loss and its LossParts."""
+    mask = rows.completion_mask  # (rows, T)
+    # one update per batch (the paper): the rollout policy is the current one, detached
+    old_logp = logp.detach() if rows.old_logp is None else rows.old_logp  # (rows, T)
+    entropy = entropy if rows.entropy is None else rows.entropy  # (rows, T)
+    # the method's token terms (section 5), group by group: w, and its extra term and pass
+    groups = Group.split(rows, logp, old_logp, entropy, update_pass, size=cfg.group_size)
+    terms = TokenTerms.joined([METHODS[cfg.method].token_terms(group, cfg) for group in groups])
+    if rows.diagnose_tokens is not None:  # tools/diagnose.py's tokens
+        active = rows.diagnose_tokens
+        terms = terms._replace(active=active if terms.active is None else active * terms.active)
+    correction = sampler_correction(old_logp, rows.sampler_logp, mask, cfg)  # (rows, T or 1)
+    ratio = torch.exp(logp - old_logp)  # rho: exactly 1 with one update per batch
+    adv = rows.advantages[:, None]  # (rows, 1): a response's advantage, on each of its tokens
+    pg = -ratio * adv  # -rho A
     clip = METHODS[cfg.method].clip
-    n_responses = len(rollout.texts)
-    n_tokens = int(rollout.completion_mask.sum().clamp(min=1))
-    total_loss = 0.0
-    token_values = []
-    for _, part in rollout.micro_batches(cfg):
-        mask = part.completion_mask
-        with autocast():
-            logp, entropy, _ = completion_logprobs(model, part, cfg)  # (rows, T), with gradient
-            # one update per batch (the paper): the rollout policy is the current one, detached
-            old_logp = logp.detach() if part.old_logp is None else part.old_logp
-            entropy = entropy if part.entropy is None else part.entropy
-            terms = micro_batch_terms(
-                logp, old_logp, entropy, rollout=part, cfg=cfg, update_pass=update_pass
-            )
-            r = sampler_correction(old_logp, part.sampler_logp, mask, cfg=cfg)
-            per_token = token_loss(
-                logp, old_logp, part.ref_logp, part.advantages, terms, cfg, clip=clip, r=r
-            )  # (rows, T)
-            # divided by the step's totals, so the micro-batches' gradients sum to the step's
-            loss = aggregate(
-                per_token, mask, cfg.loss_aggregation, n_responses=n_responses, n_tokens=n_tokens
-            )
-        scaled = loss if scaler is None else scaler.scale(loss)  # fp16: no gradient underflows
-        scaled.backward()
-        total_loss += loss.item()
-        logp = logp.detach()
-        kl = None if part.ref_logp is None else k3(logp, part.ref_logp)
-        clipped = ppo_clipped(torch.exp(logp - old_logp), part.advantages, cfg) & clip
-        values = metrics.token_values(part, entropy, old_logp, kl=kl, clipped=clipped, terms=terms)
-        token_values.append(values)
-    return total_loss, token_values
+    if clip:  # PPO's clipped surrogate
+        pg = torch.max(pg, -ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * adv)
+    per_token = terms.pg_weight * pg if correction is None else terms.pg_weight * pg * correction
+    if terms.extra is not None:  # kl_cov's penalty
+        per_token = per_token + terms.extra
+    kl = None if rows.ref_logp is None else k3(logp, rows.ref_logp)  # (rows, T)
+    if kl is not None:
+        per_token = per_token + cfg.beta * kl
+    if terms.active is not None:  # lopti's pass: only its tokens count
+        per_token = per_token * terms.active
+    # a response's token mean, then the mean over the step's responses (GRPO's)
+    if cfg.loss_aggregation == "seq-mean-token-mean":
+        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / n_responses
+    else:  # every token of the step alike (DAPO)
+        loss = (per_token * mask).sum() / n_tokens
+    clipped = ppo_clipped(ratio.detach(), rows.advantages, cfg) & clip
+    kl = None if kl is None else kl.detach()
+    return loss, LossParts(per_token, terms, old_logp, entropy, kl=kl, clipped=clipped)
 
 
-# 8. The training loop ---------------------------------------------------------------------------
-def training_loop(cfg, model, reference, tokenizer, prompts, grader, engine, run, hooks, precision):
-    """The paper's algorithm, step after step, each step's phases in the order they run."""
-    method = METHODS[cfg.method]
-    updates = cfg.num_iterations * method.update_passes  # optimizer steps per rollout batch
-    # AdamW over what is trained (all, or LoRA's adapter), fused: one kernel, no foreach
-    # temporaries (on a CPU 6x faster, 0.11 s against 0.68 s a SmolLM2 step: docs/performance.md).
-    # The learning rate warms up linearly, then decays to min_lr_ratio x its peak.
-    trained = [p for p in model.parameters() if p.requires_grad]
+# 7. The optimizer ---------------------------------------------------------------------------------
+def optimizer_and_schedule(trained: list, cfg: Config, updates: int):
+    """AdamW over what is trained (all the weights, or LoRA's adapter), fused: one kernel, no
+    foreach temporaries (on a CPU 6x faster, 0.11 s against 0.68 s a SmolLM2 step:
+    docs/performance.md). Its learning rate warms up linearly, then decays along a cosine to
+    min_lr_ratio x its peak, over the run's steps x `updates` optimizer steps a rollout batch."""
     optimizer = torch.optim.AdamW(
         trained, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, fused=True
     )
@@ -933,141 +893,121 @@ def training_loop(cfg, model, reference, tokenizer, prompts, grader, engine, run
         num_training_steps=cfg.steps * updates,
         min_lr_rate=cfg.min_lr_ratio,
     )
-    scaler = precision.scaler()  # fp16's loss scaler; in any other precision, one doing nothing
-    skipped = SkippedSteps(cfg.max_skipped_steps)  # steps whose gradient was not finite
-    stateful = dict(optimizer=optimizer, scheduler=scheduler, scaler=scaler, skipped=skipped)
-    start_step = 0
-    if run.resume_from is not None:  # the checkpoint's optimizer, schedule, ..., data position
-        state = checkpoints.restore(run.resume_from, stateful)
-        start_step = state["step"]
-        prompts.position = state["data_position"]
-    else:  # TRY NOT TO MODIFY: seeding
+    return optimizer, scheduler
+
+
+# The training loop --------------------------------------------------------------------------------
+def training_loop(cfg, run_cfg, model, reference, tokenizer, prompts, grader, engine, run: Run):
+    """The paper's algorithm, step after step, each step's phases in the order they run, numbered
+    as the sections that define them; the run keeps the records, checkpoints and pictures."""
+    method = METHODS[cfg.method]
+    updates = cfg.num_iterations * method.update_passes  # optimizer steps per rollout batch
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer, scheduler = optimizer_and_schedule(trained, cfg, updates)
+    scaler = run.precision.scaler()  # fp16's loss scaler; in any other precision, one doing nothing
+    # the step to start at: 0, or a checkpoint's, with the state of each of these as it saved them
+    start = run.begin(
+        optimizer, scheduler, scaler=scaler, prompts=prompts, updates_per_step=updates
+    )
+    if start == 0:  # TRY NOT TO MODIFY: seeding (a resumed run continues its checkpoint's RNG)
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
-    memory = memory_plan.OutOfMemory(cfg.model, memory_plan.PlanOptions.of(cfg), run.path)
-    progress = Progress(start_step, cfg.steps, label=cfg.method, every=cfg.log_every)
-    for step in range(start_step, cfg.steps):
-        rollout_started = time.perf_counter()
-        with precision.autocast():
-            # 1. Sample G completions of each of the step's prompts (section 2)
+    autocast = run.precision.autocast  # bf16 or fp16 compute over fp32 weights; fp32: none
+    logprobs = logprobs_of_run(run_cfg, cfg.group_size)  # section 3's, or its fast drop-in
+    for step in range(start + 1, cfg.steps + 1):  # rollout steps, numbered from 1
+        with autocast():
+            # 1. Sample G completions of each of the step's prompts (section 1)
             batch = prompts.next_batch(cfg.prompts_per_step)
-            with memory.phase("sampling", step + 1):
-                rollout = sample(model, tokenizer, batch, cfg=cfg, engine=engine)
-            # 2. Grade them (section 3): the workers grade while the passes below run
+            with run.phase("sampling", step):
+                rollout = sample(model, tokenizer, batch, cfg, run_cfg, engine=engine)
+            # 2. Grade them (section 2): the workers grade while the passes below run
             grades = grader.submit(
                 [(t, gold, "default") for t, gold in zip(rollout.texts, rollout.golds)]
             )
-            # 3. The old and the reference log-probs, where the update needs them (section 4)
-            with memory.phase("the log-prob passes", step + 1):
-                old_and_reference_logprobs(model, reference, rollout, cfg)
-            # 4. Rewards, and each response's advantage within its group (section 5)
-            scores = rollout_rewards(rollout, grades.result(), cfg)
-        rollout_s = time.perf_counter() - rollout_started
-        for hook in hooks:  # tokens.html at the first and last steps, and the tools' measurements
-            hook(step=step + 1, model=model, rollout=rollout, autocast=precision.autocast)
+            # 3. The old and the reference log-probs, where the update needs them (section 3)
+            with run.phase("the log-prob passes", step):
+                old_and_reference_logprobs(model, reference, rollout, cfg, run_cfg)
+            # 4. Rewards, and each response's advantage within its group (section 4)
+            rollout_figures = rollout_rewards(rollout, grades.result(), cfg)
+        run.rollout_scored(step, model=model, rollout=rollout)  # the token page; a tool's hook
+        n_responses = len(rollout.texts)
+        n_tokens = int(rollout.completion_mask.sum().clamp(min=1))
         for update_index in range(updates):
-            update_started = time.perf_counter()
             update_pass = update_index % method.update_passes  # lopti: low-probability tokens first
-            # 5-6. Per micro-batch: the method's token weights and the loss (sections 6, 7), and
-            # its backward pass, the gradients summed over the step's micro-batches
-            with memory.phase("the update", step + 1):
-                loss, token_values = accumulate_gradients(
-                    model,
-                    rollout,
-                    cfg,
-                    autocast=precision.autocast,
-                    update_pass=update_pass,
-                    scaler=scaler,
-                )
-            # 7. Clip the gradient's norm (under fp16, unscaled first)
+            # 5-6. Each micro-batch's log-probs (with gradient), the method's token weights in its
+            # loss, and its backward pass: the micro-batches' gradients add up to the step's
+            model.train()
+            loss_sum, token_values = 0.0, []
+            with run.phase("the update", step):
+                for _, rows in rollout.micro_batches(micro_batch_rows(cfg, run_cfg)):
+                    with autocast():
+                        logp, entropy, _ = logprobs(model, rows, cfg.temperature)  # (rows, T)
+                        loss, parts = policy_loss(
+                            logp,
+                            entropy,
+                            rows,
+                            cfg,
+                            update_pass=update_pass,
+                            n_responses=n_responses,
+                            n_tokens=n_tokens,
+                        )
+                    scaler.scale(loss).backward()  # fp16: scaled up, so no gradient underflows
+                    loss_sum += loss.item()
+                    token_values.append(metrics.token_values(rows, parts))
+            # 7. Clip the gradient's norm (under fp16, unscaled first), then AdamW and the
+            # schedule's next learning rate; unless the gradient is not finite (fp16's overflow,
+            # or a NaN): then nothing changes, and the step counts as skipped
             scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(trained, cfg.max_grad_norm)
-            # 8. AdamW, then the schedule's next learning rate; unless the gradient is not finite
-            # (fp16's overflow, or a NaN): then nothing changes, and the step counts as skipped
             lr = scheduler.get_last_lr()[0]
             finite = bool(torch.isfinite(grad_norm))
-            with memory.phase("the optimizer step", step + 1):
+            with run.phase("the optimizer step", step):
                 if finite:
                     scaler.step(optimizer)  # optimizer.step(), but in fp16 the scaler's check
                     scheduler.step()
             scaler.update()  # fp16: the loss scale halves after an overflow
             optimizer.zero_grad(set_to_none=True)
-            skipped.count(finite)
-            # 9. Log: a metrics.jsonl line per optimizer step
-            update_s = time.perf_counter() - update_started
-            record = {
-                "step": step * updates + update_index + 1,
-                "rollout_step": step + 1,
-                "update_pass": update_pass,
-                **scores,
-                **metrics.update_metrics(token_values, loss, grad_norm=grad_norm.item(), lr=lr),
-                "skipped_steps": skipped.total,
-                "prompts_skipped": prompts.skipped,
-                "rollout_s": rollout_s,
-                "update_s": update_s,
-                "time": time.time(),
-                "tokens_per_s": rollout.completion_mask.sum().item() / (rollout_s + update_s),
-            }
-            if scaler.is_enabled():
-                record["loss_scale"] = scaler.get_scale()
-            run.log(record)
-            skipped.stop_if_too_many(run, record)
-        progress.step(record)  # reward, entropy and skipped steps: a bar, or a line a few steps
-        # 9. ... and save: every --save-every steps, after the last, and after Ctrl-C or SIGTERM
-        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps or run.stop.requested:
-            state = checkpoints.trainer_state(stateful, step + 1, data_position=prompts.position)
-            run.save(step + 1, model, tokenizer, state)
-            plots.draw_curves(run.path, f"{cfg.method} on {cfg.model}, seed {cfg.seed}")
-        run.stop_if_requested(step + 1)  # after a Ctrl-C or SIGTERM: with the checkpoint just saved
-    progress.close()
-    final = lora.merged_model(model)
-    checkpoints.save_checkpoint(run.path, "final-model", model=final, tokenizer=tokenizer)
+            update_figures = metrics.update_metrics(
+                token_values, loss_sum, grad_norm=grad_norm.item(), lr=lr
+            )
+            run.log_update(
+                step, update_index, update_pass, rollout_figures | update_figures, finite
+            )
+        run.end_step(step, model, tokenizer)  # progress; a checkpoint every --save-every steps
+    run.finish(model, tokenizer)  # the final model, LoRA's merged
 
 
-def train(cfg: Config, on_rollout: Callable | None = None) -> Path | None:
+def train(cfg: Config, run_cfg: RunConfig, on_rollout: Callable | None = None) -> Path | None:
     """Everything a run needs, then the training loop (--plan: its memory and disk instead).
-    on_rollout(step, model, rollout, autocast), a hook for the tools (tools/diagnose.py), sees each
-    scored rollout batch before the update."""
-    if cfg.plan:  # before anything loads
-        tiny.build_if_missing(cfg.model)
-        print(memory_plan.report(cfg.model, memory_plan.PlanOptions.of(cfg)))
+    on_rollout(step, model, rollout, autocast), a hook for tools/diagnose.py, sees each scored
+    rollout batch before the update."""
+    if run_cfg.plan:  # before anything loads
+        print(Run.plan(cfg, run_cfg))
         return None
-    start = time.perf_counter()
-    device = loading.resolve_device(cfg.device, "" if cfg.preset in CPU_PRESETS else cfg.preset)
-    precision = Precision.choose(cfg.precision, device)  # by the card: bf16, fp16 on 7.x, fp32
-    torch.set_num_threads(cfg.threads or torch.get_num_threads())
-    print(plots.run_header(cfg, precision.reason), flush=True)
-    plots.pyplot()  # fail now, not at the first checkpoint, if matplotlib is missing
-    # locked against a second run, Ctrl-C a stop after the step, a resume's checkpoint checked
-    with RunFolder.for_run(cfg) as run:
-        cfg = dataclasses.replace(cfg, model=presets.ready(cfg.model, cfg.dataset))  # CPU presets
-        if device.type == "cuda":  # before anything loads: a run that cannot fit stops here
-            recipes = {n: Config(preset=n, **v) for n, v in PRESETS.items() if n not in CPU_PRESETS}
-            memory_plan.check_fit_on_gpu(cfg.model, memory_plan.PlanOptions.of(cfg), recipes)
-        loading.check_model_path(cfg.model)
-        if run.finished(cfg.steps):
+    # the folder locked, Ctrl-C a stop after the step, the device, precision and threads set, the
+    # model and its fit on the GPU checked: one line and an exit for whatever is wrong
+    with Run(cfg, run_cfg) as run:
+        cfg = run.cfg  # a CPU preset's model built here on first use
+        if run.finished():
             return run.path
         dataset = loading.load_dataset(
             cfg.dataset, cfg.dataset_split, cfg.question_column, gold_column=cfg.gold_column
         )
-        with Grader(cfg.reward_timeout_s, cfg.reward_workers) as grader:
-            run.start(
-                torch_threads=torch.get_num_threads(),
-                reward_workers_used=grader.size,
-                precision_used=precision.reason,
-            )
-            weights = str(run.resume_from or cfg.model)
-            print(f"loading {cli.shown_path(weights)} ...", flush=True)
-            tokenizer = loading.load_tokenizer(weights)
+        with Grader(cfg.reward_timeout_s, run_cfg.reward_workers) as grader:
+            run.start(grader)  # run_config.json; on resume, the records after its checkpoint go
+            tokenizer = loading.load_tokenizer(run.weights)
             prompts = PromptStream(dataset, tokenizer, cfg)
-            model = loading.load_policy(cfg, run.resume_from, precision)  # fp32, or base + LoRA
-            frozen_copy = cfg.beta > 0 and not cfg.lora_rank  # LoRA's reference: the base itself
-            reference = loading.load_reference(cfg.model, precision) if frozen_copy else None
-            engine = Engine.for_run(cfg, precision) if cfg.rollout == "vllm" else None
-            weigh = functools.partial(every_methods_weights, cfg=cfg)
-            page = TokenPage(run, cfg, tokenizer, methods=METHODS, weigh=weigh)
+            model = loading.load_policy(cfg, run_cfg, run.resume_from, run.precision)
+            frozen_copy = cfg.beta > 0 and not run_cfg.lora_rank  # LoRA's reference: the base
+            reference = loading.load_reference(cfg.model, run.precision) if frozen_copy else None
+            engine = (
+                Engine.for_run(cfg, run_cfg, run.precision) if run_cfg.rollout == "vllm" else None
+            )
+            weigh = functools.partial(every_methods_weights, cfg=cfg, run_cfg=run_cfg)
+            run.show_tokens(tokenizer, methods=METHODS, weigh=weigh, hook=on_rollout)
             training_loop(
                 cfg,
+                run_cfg,
                 model,
                 reference,
                 tokenizer=tokenizer,
@@ -1075,12 +1015,10 @@ def train(cfg: Config, on_rollout: Callable | None = None) -> Path | None:
                 grader=grader,
                 engine=engine,
                 run=run,
-                hooks=[page] if on_rollout is None else [page, on_rollout],
-                precision=precision,
             )
-    print(plots.run_summary(run.path, time.perf_counter() - start, cfg.preset))
+    print(run.summary())
     return run.path
 
 
 if __name__ == "__main__":
-    train(CONFIG)
+    train(CONFIG, RUN_CONFIG)

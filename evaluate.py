@@ -93,7 +93,7 @@ import transformers
 from tqdm import tqdm
 
 import cwgrpo
-from cwgrpo_utils import loading, plots, presets
+from cwgrpo_utils import loading, plots, preset_models
 from cwgrpo_utils.checkpoints import checkpoint_step
 from cwgrpo_utils.precision import Precision
 from cwgrpo_utils.prompts import chat_prompt_ids
@@ -434,7 +434,7 @@ def main(cfg: EvalConfig) -> None:
         print((output_dir / "checkpoints.md").read_text())
         print(f"written: {output_dir / 'checkpoints.md'} and {output_dir / 'checkpoints.png'}")
         return
-    model = presets.ready(cfg.model)  # a CPU preset's model, built here on first use
+    model = preset_models.ready(cfg.model)  # a CPU preset's model, built here on first use
     loading.check_model_path(model)  # before the output folder exists
     results = evaluate_model(model, cfg, output_dir)
     write_results(output_dir, cfg.model, cfg, results)

@@ -5,6 +5,7 @@ Run: python -m pytest -q test_cwgrpo.py   (CPU, no network; the whole-run and sy
 in tests/, which CI runs too)
 """
 
+import dataclasses
 import doctest
 import json
 import logging
@@ -21,10 +22,12 @@ import cwgrpo
 from cwgrpo import Grader, cw_weights, format_reward, grade_accuracy, group_advantages
 from cwgrpo_utils import checkpoints, loading, presets, tiny
 from cwgrpo_utils.grading_pool import LogCounter
-from cwgrpo_utils.metrics import update_metrics
-from cwgrpo_utils.precision import Precision
+from cwgrpo_utils.lm_head import chunked_logprobs
+from cwgrpo_utils.metrics import token_values, update_metrics
+from cwgrpo_utils.precision import Precision, SkippedSteps
 from cwgrpo_utils.prompts import PromptStream, chat_prompt_ids
 from tests.support import ROOT, SMALL_SHAPE
+from tools.diagnose import step_gradient
 
 CPU = torch.device("cpu")
 FP32 = Precision.choose("auto", CPU)  # what a run on the CPU computes in
@@ -48,7 +51,7 @@ def tiny_run(tmp_path_factory, tiny_base) -> Path:
     out = tmp_path_factory.mktemp("run") / "cw"
     data = ["--model", str(tiny_base / "model"), "--dataset", str(tiny_base / "arithmetic.jsonl")]
     steps = ["--steps", "4", "--save-every", "2", "--output-dir", str(out)]
-    cwgrpo.train(cwgrpo.parse_config(["--preset", "tiny", *data, *steps]))
+    cwgrpo.train(*cwgrpo.parse_config(["--preset", "tiny", *data, *steps]))
     return out
 
 
@@ -237,7 +240,7 @@ def test_chunked_logprobs_equal_direct(chunk):
     hidden = torch.randn(11, 8, generator=g, requires_grad=True)
     weight = torch.randn(50, 8, generator=g, requires_grad=True)
     targets = torch.randint(0, 50, (11,), generator=g)
-    logp, entropy = cwgrpo.chunked_logprobs(
+    logp, entropy = chunked_logprobs(
         hidden, weight, targets, 0.7, chunk * 50
     )  # chunk positions at once
     (logp * torch.arange(11.0)).sum().backward()
@@ -270,14 +273,20 @@ def test_byte_level_tokenizer_round_trips_and_reloads(tiny_model, tmp_path):
     assert reloaded(text)["input_ids"] == tokenizer(text)["input_ids"]
 
 
-def test_rollout_logprobs_match_unpadded_forward(tiny_model):
+@pytest.mark.parametrize("path", ["plain", "fast"])
+def test_rollout_logprobs_match_unpadded_forward(tiny_model, path):
+    """Section 3's plain log-probs, and the run's default fast drop-in (each group's prompt once,
+    the LM head in chunks), each equal to a forward over each row alone, without padding."""
     model, tokenizer = tiny_model
-    cfg = cwgrpo.parse_config(["--preset", "tiny", "--max-completion-length", "12"])
+    cfg, run_cfg = cwgrpo.parse_config(["--preset", "tiny", "--max-completion-length", "12"])
     batch = [(chat_prompt_ids(tokenizer, q, ""), "\\boxed{1}") for q in ["1+2", "12+30"]]
     torch.manual_seed(0)
-    rollout = cwgrpo.sample(model, tokenizer, batch, cfg)
+    rollout = cwgrpo.sample(model, tokenizer, batch, cfg, run_cfg)
     assert rollout.prompt_ids.shape[0] == 2 * cfg.group_size
-    logp, entropy, _ = cwgrpo.completion_logprobs(model, rollout, cfg)
+    plain = dataclasses.replace(run_cfg, share_prompts=False, logit_chunk_elements=0)
+    logprobs = cwgrpo.logprobs_of_run(plain if path == "plain" else run_cfg, cfg.group_size)
+    assert (logprobs is cwgrpo.completion_logprobs) == (path == "plain")
+    logp, entropy, _ = logprobs(model, rollout, cfg.temperature)
     assert (logp[rollout.completion_mask == 0] == 0).all() and (entropy >= 0).all()
     for row in (
         0,
@@ -304,7 +313,7 @@ def test_gradient_does_not_depend_on_micro_batching(tiny_model, method):
     batch = [(chat_prompt_ids(tokenizer, q, ""), "\\boxed{3}") for q in ["1+2", "2+1"]]
     grads = []
     for groups_per_micro_batch in (2, 1):
-        cfg = cwgrpo.parse_config(
+        cfg, run_cfg = cwgrpo.parse_config(
             [
                 "--preset",
                 "tiny",
@@ -319,12 +328,12 @@ def test_gradient_does_not_depend_on_micro_batching(tiny_model, method):
             ]
         )
         torch.manual_seed(0)
-        rollout = cwgrpo.sample(model, tokenizer, batch, cfg)
+        rollout = cwgrpo.sample(model, tokenizer, batch, cfg, run_cfg)
         rollout.advantages = torch.randn(
             len(rollout.texts), generator=torch.Generator().manual_seed(1)
         )
         model.zero_grad()  # the step's gradient, micro-batch by micro-batch as the run takes it
-        cwgrpo.accumulate_gradients(model, rollout, cfg, autocast=FP32.autocast)
+        step_gradient(model, rollout, cfg, run_cfg, autocast=FP32.autocast)
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     model.zero_grad()
     assert grads[0].abs().sum() > 0
@@ -332,7 +341,7 @@ def test_gradient_does_not_depend_on_micro_batching(tiny_model, method):
 
 
 def test_presets_and_overrides():
-    cfg = cwgrpo.parse_config([])
+    cfg, _ = cwgrpo.parse_config([])
     assert (cfg.preset, cfg.method, cfg.group_size, cfg.learning_rate, cfg.beta) == (
         "paper-1.5b",
         "cw",
@@ -340,10 +349,10 @@ def test_presets_and_overrides():
         1e-6,
         0.04,
     )
-    cfg = cwgrpo.parse_config(["--preset", "tiny", "--group-size", "4", "--cw-detach"])
+    cfg, run_cfg = cwgrpo.parse_config(["--preset", "tiny", "--group-size", "4", "--cw-detach"])
     assert cfg.model == str(Path(cwgrpo.__file__).parent / "runs/tiny-base/model")  # the clone's
     assert cfg.group_size == 4 and cfg.cw_detach
-    assert cfg.output_dir == "runs/cw-tiny-seed0"
+    assert run_cfg.output_dir == "runs/cw-tiny-seed0"
 
 
 @pytest.mark.parametrize(
@@ -407,10 +416,10 @@ def test_the_chain_preset_builds_its_own_task_and_evaluates_on_every_problem(tmp
     assert presets.evaluate_options("paper-1.5b") == ()
     data = ["--model", str(out / "model"), "--dataset", str(out / "arithmetic.jsonl")]
     run = ["--steps", "2", "--output-dir", str(tmp_path / "r")]
-    cwgrpo.train(cwgrpo.parse_config(["--preset", "tiny-chain", *data, *run]))
+    cwgrpo.train(*cwgrpo.parse_config(["--preset", "tiny-chain", *data, *run]))
     records = read_metrics(tmp_path / "r" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
-    assert cwgrpo.parse_config(["--preset", "tiny-chain"]).model == str(
+    assert cwgrpo.parse_config(["--preset", "tiny-chain"])[0].model == str(
         ROOT / "runs/tiny-chain-base/model"
     )
 
@@ -470,7 +479,7 @@ def make_group(
 
 
 def method_cfg(*args):
-    return cwgrpo.parse_config(["--preset", "tiny", *args])
+    return cwgrpo.parse_config(["--preset", "tiny", *args])[0]
 
 
 # Covariance case: valid log-probs -1, -3 | -2, -2, -2 (mean -2); advantages 2 | -2 (token mean
@@ -653,49 +662,83 @@ def test_stapo_silences_only_tokens_meeting_all_three_conditions():
     torch.testing.assert_close(terms.pg_weight[1], torch.ones(4))
 
 
-def loss_of(logp, old, ref, adv, weight, cfg_args=(), clip=True):
-    cfg = method_cfg(*cfg_args)
-    return cwgrpo.token_loss(logp, old, ref, adv, cwgrpo.TokenTerms(weight), cfg, clip)
+@pytest.fixture
+def given_weights(monkeypatch):
+    """A method for the test only, "given", whose token weights are the ones the test gives: the
+    loss is under test, not a method."""
+
+    def method(weight, clip=True) -> str:
+        given = cwgrpo.Method(lambda group, cfg: cwgrpo.TokenTerms(weight), "given", clip=clip)
+        monkeypatch.setitem(cwgrpo.METHODS, "given", given)
+        return "given"
+
+    return method
 
 
-def test_pg_term_without_clipping_is_minus_ratio_times_advantage():
+def loss_of(logp, old, ref, adv, weight, method, cfg_args=(), clip=True, mask=None, totals=(1, 1)):
+    """policy_loss with the token weights `weight` (given_weights): its per-token loss and the
+    loss, over n_responses and n_tokens of `totals`."""
+    cfg = dataclasses.replace(method_cfg(*cfg_args), method=method(weight, clip))
+    mask = torch.ones_like(logp) if mask is None else mask
+    rows = cwgrpo.Rollout.scored(adv, mask, old_logp=old, ref_logp=ref, sampler_logp=old * mask)
+    loss, parts = cwgrpo.policy_loss(
+        logp, torch.zeros_like(logp), rows, cfg, 0, n_responses=totals[0], n_tokens=totals[1]
+    )
+    return parts.per_token, loss
+
+
+def test_pg_term_without_clipping_is_minus_ratio_times_advantage(given_weights):
     logp, old = torch.tensor([[math.log(0.5)]]), torch.tensor([[math.log(0.4)]])  # ratio 1.25
     for adv, expected in ((2.0, -2.5), (-2.0, 2.5)):
-        loss = loss_of(logp, old, None, torch.tensor([adv]), torch.ones(1, 1), clip=False)
+        loss, _ = loss_of(
+            logp, old, None, torch.tensor([adv]), torch.ones(1, 1), given_weights, clip=False
+        )
         assert loss.item() == pytest.approx(expected)
 
 
-def test_ppo_clipping_holds_the_ratio_within_the_range_on_the_side_of_the_advantage():
+def test_ppo_clipping_holds_the_ratio_within_the_range_on_the_side_of_the_advantage(
+    given_weights,
+):
     logp, old = torch.tensor([[math.log(0.5)]]), torch.tensor([[math.log(0.4)]])  # ratio 1.25
     # A > 0: min(1.25 A, 1.2 A) = 1.2 A, and no gradient flows through the clipped ratio
     logp_grad = logp.clone().requires_grad_(True)
-    loss = loss_of(logp_grad, old, None, torch.tensor([2.0]), torch.ones(1, 1))
+    loss, _ = loss_of(logp_grad, old, None, torch.tensor([2.0]), torch.ones(1, 1), given_weights)
     assert loss.item() == pytest.approx(-2.4)
     loss.sum().backward()
     assert logp_grad.grad.item() == 0
     # A < 0: min(-1.25 |A|, -1.2 |A|) = -1.25 |A|, unclipped
-    assert loss_of(logp, old, None, torch.tensor([-2.0]), torch.ones(1, 1)).item() == pytest.approx(
-        2.5
-    )
+    loss, _ = loss_of(logp, old, None, torch.tensor([-2.0]), torch.ones(1, 1), given_weights)
+    assert loss.item() == pytest.approx(2.5)
 
 
-def test_k3_kl_and_weights_on_the_pg_term_only():
+def test_k3_kl_and_weights_on_the_pg_term_only(given_weights):
     logp, ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]])
     k3 = [math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 1.0 - 1]  # exp(r - l) - (r - l) - 1
     # on-policy: ratio 1, pg = -A; w = (3, 0) scales pg only, beta 0.04 scales the KL
-    loss = loss_of(logp, logp.clone(), ref, torch.tensor([1.5]), torch.tensor([[3.0, 0.0]]))
+    weight = torch.tensor([[3.0, 0.0]])
+    loss, _ = loss_of(logp, logp.clone(), ref, torch.tensor([1.5]), weight, given_weights)
     expected = [3 * -1.5 + 0.04 * k3[0], 0 * -1.5 + 0.04 * k3[1]]
     torch.testing.assert_close(loss, torch.tensor([expected]))
 
 
-def test_both_aggregations_by_hand():
+def test_both_aggregations_by_hand(given_weights):
+    # on-policy with A = -1 and no KL: each token's loss is its weight
     per_token = torch.tensor([[1.0, 3.0, 9.0], [2.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    logp, adv = torch.full((2, 3), -1.0), torch.tensor([-1.0, -1.0])
+
+    def aggregate(mode, n_responses, n_tokens):
+        args = ("--beta", "0", "--loss-aggregation", mode)
+        loss_args = dict(cfg_args=args, mask=mask, totals=(n_responses, n_tokens))
+        per_token_loss, loss = loss_of(logp, logp, None, adv, per_token, given_weights, **loss_args)
+        assert torch.equal(per_token_loss, per_token)
+        return loss
+
     # seq-mean-token-mean: mean of (1 + 3) / 2 and 2 / 1 = 2; token-mean: (1 + 3 + 2) / 3 = 2
     # with the step's totals larger than the micro-batch's: 4 responses, 6 tokens
-    assert cwgrpo.aggregate(per_token, mask, "seq-mean-token-mean", 4, 6).item() == 1.0
-    assert cwgrpo.aggregate(per_token, mask, "token-mean", 4, 6).item() == 1.0
-    assert cwgrpo.aggregate(per_token, mask, "token-mean", 2, 3).item() == 2.0
+    assert aggregate("seq-mean-token-mean", 4, 6).item() == 1.0
+    assert aggregate("token-mean", 4, 6).item() == 1.0
+    assert aggregate("token-mean", 2, 3).item() == 2.0
 
 
 @pytest.mark.parametrize("method", sorted(cwgrpo.METHODS))
@@ -720,14 +763,15 @@ def test_every_method_gives_a_finite_loss_and_gradient_with_a_group_of_no_valid_
         ref_logp=logp.detach() - 0.1,
     )
     cfg = method_cfg("--method", method, "--group-size", str(G))
-    old = logp.detach() * mask
-    terms = cwgrpo.micro_batch_terms(logp, old, torch.rand(2 * G, T), rollout, cfg, 0)
-    per_token = cwgrpo.token_loss(logp, old, rollout.ref_logp, rollout.advantages, terms, cfg)
-    loss = cwgrpo.aggregate(per_token, mask, cfg.loss_aggregation, 2 * G, int(mask.sum()))
+    rollout.old_logp = logp.detach() * mask
+    rollout.entropy = torch.rand(2 * G, T)
+    loss, parts = cwgrpo.policy_loss(
+        logp, rollout.entropy, rollout, cfg, 0, n_responses=2 * G, n_tokens=int(mask.sum())
+    )
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
     assert (logp.grad[G:] == 0).all()  # the empty group contributes nothing
-    assert torch.isfinite(terms.pg_weight).all()
+    assert torch.isfinite(parts.terms.pg_weight).all()
 
 
 def test_sampling_ignores_the_generation_config_the_model_ships(tiny_base):
@@ -835,11 +879,12 @@ def test_cw_gradient_only_control_is_grpo_plus_the_gradient_through_the_weights(
         "detached": ("--cw-detach",),
         "control": ("--cw-reading", "gradient-only"),
     }.items():
-        cfg = method_cfg(*args)
+        cfg = method_cfg(*args, "--group-size", "6")
         leaf = logp.clone().requires_grad_(True)
-        terms = cwgrpo.METHODS[cfg.method].token_terms(make_group(leaf, adv, mask), cfg)
-        per_token = cwgrpo.token_loss(leaf, leaf.detach() - 0.1, None, adv, terms, cfg)
-        losses[name] = cwgrpo.aggregate(per_token, mask, cfg.loss_aggregation, 6, int(mask.sum()))
+        rows = cwgrpo.Rollout.scored(adv, mask, old_logp=leaf.detach() - 0.1)
+        losses[name], _ = cwgrpo.policy_loss(
+            leaf, torch.zeros_like(leaf), rows, cfg, 0, n_responses=6, n_tokens=int(mask.sum())
+        )
         losses[name].backward()
         grads[name] = leaf.grad
     assert losses["control"].item() == losses["grpo"].item()
@@ -920,7 +965,7 @@ def test_no_query_row_is_fully_masked_and_real_rows_are_unchanged():
 def test_log_probs_without_a_mask_equal_those_with_one_where_no_row_is_left_padded(share):
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(**SMALL_SHAPE))
-    cfg = cwgrpo.parse_config(["--group-size", "3", "--share-prompts", str(share)])
+    cfg, run_cfg = cwgrpo.parse_config(["--group-size", "3", "--share-prompts", str(share)])
     prompts = torch.randint(0, 300, (1 if share else 3, 6))  # shared: a group of 3 rows
     rollout = cwgrpo.Rollout(
         prompts.expand(3, 6),
@@ -933,7 +978,8 @@ def test_log_probs_without_a_mask_equal_those_with_one_where_no_row_is_left_padd
         [""] * 3,
     )
     with torch.no_grad():
-        logp, entropy, _ = cwgrpo.completion_logprobs(model.eval(), rollout, cfg)
+        logprobs = cwgrpo.logprobs_of_run(run_cfg, cfg.group_size)
+        logp, entropy, _ = logprobs(model.eval(), rollout, cfg.temperature)
         ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
         mask = torch.cat([rollout.prompt_mask, rollout.completion_mask.long()], 1)
         logits = model(input_ids=ids, attention_mask=mask).logits[:, 5:-1] / cfg.temperature
@@ -995,11 +1041,16 @@ def test_sequence_correction_masks_in_log_space_and_token_mask_has_a_floor():
 def test_the_correction_weights_only_the_policy_gradient_term():
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     old, ref, adv = logp.detach(), logp.detach() - 0.5, torch.tensor([1.0])
-    terms = cwgrpo.TokenTerms(torch.ones(1, 2))
-    cfg = method_cfg("--beta", "0.1")
-    rho = torch.tensor([[0.5, 2.0]])
-    plain = cwgrpo.token_loss(logp, old, ref, adv, terms, cfg)
-    weighted = cwgrpo.token_loss(logp, old, ref, adv, terms, cfg, r=rho)
+    rho = torch.tensor([[0.5, 2.0]])  # exp(l - s), within the cap of 3
+    losses = {}
+    for correction in ("none", "token_truncate"):
+        cfg = method_cfg("--method", "grpo", "--beta", "0.1", "--sampler-correction", correction)
+        rows = cwgrpo.Rollout.scored(adv, torch.ones(1, 2), old_logp=old, ref_logp=ref)
+        rows.sampler_logp = old - rho.log()
+        entropy = torch.zeros_like(old)
+        _, parts = cwgrpo.policy_loss(logp, entropy, rows, cfg, 0, n_responses=1, n_tokens=2)
+        losses[correction] = parts.per_token
+    plain, weighted = losses["none"], losses["token_truncate"]
     kl = 0.1 * cwgrpo.k3(logp, ref)
     torch.testing.assert_close(weighted - kl, (plain - kl) * rho)  # pg = -1 x adv x ratio 1
 
@@ -1007,21 +1058,26 @@ def test_the_correction_weights_only_the_policy_gradient_term():
 def test_the_logged_mismatch_is_the_sampler_against_the_trainer(tiny_base):
     """The logged figures are the valid tokens' |l - s| and exp(l - s), l the trainer's log-prob
     in the update and s the sampler's: with the sampler's shifted by 0.1 on every token, exactly
-    0.1 and exp(0.1); with the real sampler (section 4's loop, fp32 on the CPU), below 1e-5."""
-    cfg = cwgrpo.parse_config(["--preset", "tiny", "--prompts-per-step", "2", "--beta", "0"])
+    0.1 and exp(0.1); with the real sampler (section 1's loop, fp32 on the CPU), below 1e-5."""
+    cfg, run_cfg = cwgrpo.parse_config(
+        ["--preset", "tiny", "--prompts-per-step", "2", "--beta", "0"]
+    )
     model = loading.load_model(str(tiny_base / "model"), torch.float32, "cpu")
     tokenizer = loading.load_tokenizer(str(tiny_base / "model"))
     prompts = PromptStream(tiny.arithmetic_dataset(0), tokenizer, cfg)
     torch.manual_seed(0)
-    rollout = cwgrpo.sample(model, tokenizer, prompts.next_batch(2), cfg)
+    rollout = cwgrpo.sample(model, tokenizer, prompts.next_batch(2), cfg, run_cfg)
     grades = [cwgrpo.Grade(float(i % 2), True, False) for i in range(len(rollout.texts))]
     cwgrpo.rollout_rewards(rollout, grades, cfg)
     autocast = FP32.autocast
 
     def update() -> dict:  # the update's metrics, what a step logs
-        loss, token_values = cwgrpo.accumulate_gradients(model, rollout, cfg, autocast=autocast)
+        parts = step_gradient(model, rollout, cfg, run_cfg, autocast=autocast)
         model.zero_grad()
-        return update_metrics(token_values, loss, grad_norm=0.0, lr=0.0)
+        values = [token_values(rows, loss_parts) for rows, _, loss_parts in parts]
+        return update_metrics(
+            values, sum(loss.item() for _, loss, _ in parts), grad_norm=0.0, lr=0.0
+        )
 
     real = update()
     assert real["sampler_logp_diff_max"] < 1e-5 and real["sampler_logp_diff_mean"] < 1e-6
@@ -1079,7 +1135,7 @@ def test_the_lm_head_stays_finite_in_fp16_at_qwens_vocabulary():
     weight = (0.05 * torch.randn(151_936, 64, generator=g)).requires_grad_(True)
     targets = torch.randint(0, 151_936, (6,), generator=g)
     with torch.autocast("cpu", dtype=torch.float16):
-        logp, entropy = cwgrpo.chunked_logprobs(hidden, weight, targets, 0.7, 2**20)
+        logp, entropy = chunked_logprobs(hidden, weight, targets, 0.7, 2**20)
     assert logp.dtype == entropy.dtype == torch.float32
     (logp.sum() * 1024).backward()  # a loss scale's worth of gradient
     assert torch.isfinite(hidden.grad).all() and torch.isfinite(weight.grad).all()
@@ -1090,27 +1146,28 @@ def test_the_lm_head_stays_finite_in_fp16_at_qwens_vocabulary():
 
 def test_under_fp16_the_log_probs_ratios_k3_and_weights_are_fp32(tiny_model):
     model, tokenizer = tiny_model
-    cfg = cwgrpo.parse_config(["--preset", "tiny", "--max-completion-length", "6"])
+    cfg, run_cfg = cwgrpo.parse_config(["--preset", "tiny", "--max-completion-length", "6"])
     batch = [(chat_prompt_ids(tokenizer, "1+2", ""), "\\boxed{3}")]
     with Precision.choose("fp16", CPU).autocast():
-        rollout = cwgrpo.sample(model, tokenizer, batch, cfg=cfg)
-        logp, _, hidden = cwgrpo.completion_logprobs(model, rollout, cfg)
-        mask = rollout.completion_mask
-        weights = cw_weights(logp, torch.randn(cfg.group_size), mask)
-        loss = cwgrpo.token_loss(
-            logp,
-            logp.detach(),
-            logp.detach() - 0.1,
+        rollout = cwgrpo.sample(model, tokenizer, batch, cfg, run_cfg)
+        rollout.advantages, rollout.ref_logp = (
             torch.randn(8),
-            cwgrpo.TokenTerms(weights),
-            cfg,
+            torch.zeros_like(rollout.sampler_logp),
         )
-    assert {logp.dtype, weights.dtype, loss.dtype} == {torch.float32}
-    assert torch.isfinite(loss).all()
+        plain = dataclasses.replace(run_cfg, share_prompts=False, logit_chunk_elements=0)
+        for passes in (run_cfg, plain):  # the fast drop-in (default), and section 3's plain pass
+            logprobs = cwgrpo.logprobs_of_run(passes, cfg.group_size)
+            logp, entropy, hidden = logprobs(model, rollout, cfg.temperature)
+            loss, parts = cwgrpo.policy_loss(
+                logp, entropy, rollout, cfg, 0, n_responses=8, n_tokens=8
+            )
+            weights = parts.terms.pg_weight
+            assert {logp.dtype, weights.dtype, loss.dtype, parts.per_token.dtype} == {torch.float32}
+            assert torch.isfinite(parts.per_token).all()
 
 
 def test_skipped_steps_are_counted_in_a_row_and_too_many_stop_the_run(tmp_path):
-    skipped = cwgrpo.SkippedSteps(limit=2)
+    skipped = SkippedSteps(limit=2)
     run = type("Run", (), {"path": tmp_path})()
     record = {"step": 7, "loss": math.nan, "grad_norm": math.inf}
     for finite in (False, True, False):
@@ -1125,7 +1182,7 @@ def test_skipped_steps_are_counted_in_a_row_and_too_many_stop_the_run(tmp_path):
         "grad norm inf) and changed nothing, so the run stops (--max-skipped-steps 2); no "
         "checkpoint was written yet"
     )
-    again = cwgrpo.SkippedSteps(limit=2)
+    again = SkippedSteps(limit=2)
     again.load_state_dict(skipped.state_dict())
     assert (again.total, again.in_a_row) == (3, 2)
 

@@ -13,11 +13,11 @@ A randomly initialised model of R1-Distill-Qwen-1.5B's exact architecture (its c
 cwgrpo_utils/model_configs/: the full vocabulary, 28 layers), the paper's batch (12 prompts x G =
 12) with prompts of up to 128 random tokens and --new-tokens new ones (512), beta 0.04 with a
 half-precision reference, --steps steps through cwgrpo's own sampling, log-prob passes and update
-(phases 1-8 of cwgrpo.training_loop, with random rewards). Random weights never emit EOS, so every
+(phases 1-7 of cwgrpo.training_loop, with random rewards). Random weights never emit EOS, so every
 row runs to the limit: the KV cache at its largest. For each precision (bf16 and fp16 on a card
 of compute capability 8.0 or more, fp16 on 7.x; --precisions to choose), it prints decode and
 update tokens/s, the loss scale's path and the steps skipped as not finite (fp16's scaler), the
-sampler-trainer mismatch of section 2's loop (mean and max |l - s|), the peak memory
+sampler-trainer mismatch of section 1's loop (mean and max |l - s|), the peak memory
 (torch.cuda.max_memory_allocated) beside the plan's (cwgrpo_utils/memory_plan.py), the KV cache's
 dtype, the KL at step 0, and whether every logit after a left-padded prefill is finite, with
 cwgrpo's attention mask and with the plain one. Where vLLM is installed, the same batch by
@@ -40,9 +40,11 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 import cwgrpo
 from cwgrpo_utils import loading, lora, memory_plan, tiny
 from cwgrpo_utils.cli import OPTIONAL
+from cwgrpo_utils.metrics import token_values as token_values_of
 from cwgrpo_utils.metrics import update_metrics
 from cwgrpo_utils.precision import Precision
 from cwgrpo_utils.vllm_engine import Engine
+from tools import diagnose
 
 PAPER_CONFIG = memory_plan.SHIPPED_CONFIGS / "deepseek-ai--DeepSeek-R1-Distill-Qwen-1.5B.json"
 TINY_CONFIG = dict(
@@ -71,9 +73,9 @@ def prompts(n: int, longest: int, vocab: int, seed: int) -> list[tuple[list[int]
     return [(torch.randint(0, vocab, (k,), generator=g).tolist(), "\\boxed{0}") for k in lengths]
 
 
-def mismatch(model, rollout, cfg) -> torch.Tensor:
+def mismatch(model, rollout, cfg, run_cfg) -> torch.Tensor:
     """|trainer - sampler| log-prob of each valid sampled token."""
-    logp = cwgrpo.policy_token_stats(model, rollout, cfg)["logp"]
+    logp = cwgrpo.policy_token_stats(model, rollout, cfg, run_cfg)["logp"]
     return (logp - rollout.sampler_logp)[rollout.completion_mask.bool()].abs()
 
 
@@ -93,7 +95,7 @@ def finite_after_left_padded_prefill(model, autocast) -> dict:
     return out
 
 
-def vllm_check(model, tokenizer, cfg, batch, precision, hf_decode: float) -> None:
+def vllm_check(model, tokenizer, cfg, run_cfg, batch, precision, hf_decode: float) -> None:
     """--rollout vllm on the same model and batch, in the engine's dtype for `precision`."""
     with tempfile.TemporaryDirectory() as folder:  # the architecture; the weights are pushed
         model.config.save_pretrained(folder)
@@ -101,7 +103,7 @@ def vllm_check(model, tokenizer, cfg, batch, precision, hf_decode: float) -> Non
         (Path(folder) / "generation_config.json").write_text(json.dumps(gen))
         tokenizer.save_pretrained(folder)
         start = time.perf_counter()
-        engine = Engine.for_run(dataclasses.replace(cfg, model=folder), precision)
+        engine = Engine.for_run(dataclasses.replace(cfg, model=folder), run_cfg, precision)
         started = time.perf_counter() - start
     start = time.perf_counter()
     engine.push_weights(model)
@@ -109,11 +111,11 @@ def vllm_check(model, tokenizer, cfg, batch, precision, hf_decode: float) -> Non
     if engine.sleeps:
         engine.llm.sleep(level=2)
     with precision.autocast():
-        cwgrpo.sample(model, tokenizer, batch[:1], cfg=cfg, engine=engine)  # warm-up: it compiles
+        cwgrpo.sample(model, tokenizer, batch[:1], cfg, run_cfg, engine=engine)  # it compiles
         start = time.perf_counter()
-        rollout = cwgrpo.sample(model, tokenizer, batch, cfg=cfg, engine=engine)
+        rollout = cwgrpo.sample(model, tokenizer, batch, cfg, run_cfg, engine=engine)
         decode_s = time.perf_counter() - start
-        diff = mismatch(model, rollout, cfg)
+        diff = mismatch(model, rollout, cfg, run_cfg)
     generated = int(rollout.completion_mask.sum())
     print(
         f"  vllm ({precision.vllm_dtype}): started in {started:.1f} s; decode "
@@ -138,30 +140,32 @@ def vllm_check(model, tokenizer, cfg, batch, precision, hf_decode: float) -> Non
         engine.llm.wake_up()
         awake = torch.cuda.mem_get_info()[0]
         engine.llm.sleep(level=2)
-        share = cfg.vllm_gpu_memory_utilization
+        share = run_cfg.vllm_gpu_memory_utilization
         print(f"  vllm: asleep it frees {(asleep - awake) / 1e9:.1f} GB (its share: {share:.0%})")
     else:
         print("  vllm: no sleep mode off CUDA")
 
 
-def policy_and_reference(config: dict, cfg, precision):
+def policy_and_reference(config: dict, run_cfg, precision):
     """The policy as cwgrpo.loading.load_policy makes it (fp32 master weights, or a frozen base in
     the half precision under an fp32 LoRA adapter) and its reference (None with LoRA: the base)."""
     model = random_model(config, precision.device)
-    if cfg.lora_rank:
+    if run_cfg.lora_rank:
         base = model.to(precision.dtype).requires_grad_(False)
-        adapter = lora.adapted(base, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
+        adapter = lora.adapted(
+            base, run_cfg.lora_rank, run_cfg.lora_alpha, run_cfg.lora_target_modules
+        )
         return adapter, None
     reference = random_model(config, precision.device).to(precision.dtype)
     return model, reference.eval().requires_grad_(False)
 
 
-def check(config: dict, cfg, precision, steps: int, longest: int) -> None:
+def check(config: dict, cfg, run_cfg, precision, steps: int, longest: int) -> None:
     """The steps in one precision, and what they measure."""
     print(f"precision {precision.reason}:")
     tokenizer = tiny.byte_level_qwen2_tokenizer()
-    model, reference = policy_and_reference(config, cfg, precision)
-    if cfg.gradient_checkpointing:
+    model, reference = policy_and_reference(config, run_cfg, precision)
+    if run_cfg.gradient_checkpointing:
         loading.enable_checkpointing(model)
     trained = [p for p in model.parameters() if p.requires_grad]
     fused = precision.device.type == "cuda"
@@ -175,19 +179,22 @@ def check(config: dict, cfg, precision, steps: int, longest: int) -> None:
         start = time.perf_counter()
         with precision.autocast():
             batch = prompts(cfg.prompts_per_step, longest, 256, step)
-            rollout = cwgrpo.sample(model, tokenizer, batch, cfg=cfg)
+            rollout = cwgrpo.sample(model, tokenizer, batch, cfg, run_cfg)
             generated = int(rollout.completion_mask.sum())
             decode_s = time.perf_counter() - start
             decode_speeds.append(generated / decode_s)
             with lora.reference_of(model, reference) as frozen:  # LoRA: the adapter off
-                rollout.ref_logp = cwgrpo.policy_token_stats(frozen, rollout, cfg)["logp"]
-            diff = mismatch(model, rollout, cfg)
+                rollout.ref_logp = cwgrpo.policy_token_stats(frozen, rollout, cfg, run_cfg)["logp"]
+            diff = mismatch(model, rollout, cfg, run_cfg)
         rewards = torch.rand(len(rollout.texts), generator=torch.Generator().manual_seed(step))
         rollout.advantages = cwgrpo.group_advantages(rewards, cfg.group_size).to(precision.device)
-        start = time.perf_counter()  # phases 5-8 of cwgrpo.training_loop
-        loss, token_values = cwgrpo.accumulate_gradients(
-            model, rollout, cfg, autocast=precision.autocast, scaler=scaler
-        )
+        start = time.perf_counter()  # phases 5-7 of cwgrpo.training_loop
+        loss, token_values = 0.0, []
+        for rows, micro_loss, parts in diagnose.step_gradient(
+            model, rollout, cfg, run_cfg, precision.autocast, scale=scaler.scale
+        ):
+            loss += micro_loss.item()
+            token_values.append(token_values_of(rows, parts))
         scaler.unscale_(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(trained, cfg.max_grad_norm)
         if torch.isfinite(grad_norm):
@@ -216,7 +223,9 @@ def check(config: dict, cfg, precision, steps: int, longest: int) -> None:
         f"  every logit finite after a left-padded prefill: cwgrpo's mask {finite['cwgrpo']}, "
         f"plain mask {finite['plain']}"
     )
-    options = memory_plan.PlanOptions.of(dataclasses.replace(cfg, precision=precision.name))
+    options = memory_plan.PlanOptions.of(
+        cfg, dataclasses.replace(run_cfg, precision=precision.name)
+    )
     with tempfile.TemporaryDirectory() as folder:
         (Path(folder) / "config.json").write_text(json.dumps(config))
         planned = memory_plan.plan(folder, options, cuda=cuda)
@@ -234,7 +243,7 @@ def check(config: dict, cfg, precision, steps: int, longest: int) -> None:
         print(f"  vllm: not installed ({OPTIONAL['vllm'][1]})")
     else:
         batch = prompts(cfg.prompts_per_step, longest, 256, 0)
-        vllm_check(model, tokenizer, cfg, batch, precision, decode_speeds[-1])
+        vllm_check(model, tokenizer, cfg, run_cfg, batch, precision, decode_speeds[-1])
     del model, reference, optimizer
     if cuda:
         torch.cuda.empty_cache()
@@ -275,7 +284,7 @@ def main() -> None:
     names = args.precisions.split(",") if args.precisions else card_precisions(device)
     with tempfile.TemporaryDirectory() as folder:
         (Path(folder) / "config.json").write_text(json.dumps(config))
-        cfg = cwgrpo.parse_config(
+        cfg, run_cfg = cwgrpo.parse_config(
             [
                 "--model",
                 folder,
@@ -293,16 +302,17 @@ def main() -> None:
                 str(args.rollout_chunk),
             ]
         )
-        parameters = memory_plan.plan(folder, memory_plan.PlanOptions.of(cfg))["parameters"]
+        options = memory_plan.PlanOptions.of(cfg, run_cfg)
+        parameters = memory_plan.plan(folder, options)["parameters"]
     print(
         f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; "
         f"{parameters:,} parameters; {cfg.prompts_per_step} prompts x G = "
         f"{cfg.group_size}, prompts up to {longest} tokens, {new_tokens} new tokens, "
-        f"{cfg.rollout_chunk or cfg.prompts_per_step} prompts sampled at once; precisions "
+        f"{run_cfg.rollout_chunk or cfg.prompts_per_step} prompts sampled at once; precisions "
         f"{', '.join(names)}"
     )
     for name in names:
-        check(config, cfg, Precision.choose(name, device), args.steps, longest)
+        check(config, cfg, run_cfg, Precision.choose(name, device), args.steps, longest)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-import cwgrpo
 from cwgrpo_utils.lm_head import chunked_logprobs
+from cwgrpo_utils.run_config import RunConfig
 
 
 def peak_rss_mib() -> float:
@@ -68,7 +68,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1_536)
     parser.add_argument("--tokens", type=int, default=2_048, help="tokens per completion")
     parser.add_argument("--completions", type=int, default=2, help="completions in the micro-batch")
-    parser.add_argument("--chunk-elements", type=int, default=cwgrpo.Config.logit_chunk_elements)
+    parser.add_argument("--chunk-elements", type=int, default=RunConfig.logit_chunk_elements)
     parser.add_argument("--path", choices=["chunked", "direct"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -11,12 +11,14 @@ method pays.
 """
 
 import argparse
+import dataclasses
 import statistics
 import time
 
 import torch
 
 import cwgrpo
+from cwgrpo_utils.lm_head import chunked_logprobs, ict_divergence
 
 
 def timed(fn, repeats: int) -> float:
@@ -40,7 +42,7 @@ def main() -> None:
         "--ict-tokens", type=int, default=64, help="positions per response for ict's divergence"
     )
     args = parser.parse_args()
-    cfg = cwgrpo.parse_config(["--preset", "tiny", "--group-size", str(args.group_size)])
+    cfg, run_cfg = cwgrpo.parse_config(["--preset", "tiny", "--group-size", str(args.group_size)])
     g = torch.Generator().manual_seed(0)
     G, T = args.group_size, args.tokens
     lengths = torch.randint(T // 4, T + 1, (G,), generator=g)
@@ -59,22 +61,24 @@ def main() -> None:
         f"{torch.get_num_threads()} CPU threads, median of {args.repeats}"
     )
 
+    rows = cwgrpo.Rollout.scored(  # one scored group, as the update sees it
+        adv,
+        mask,
+        sampler_logp=old_logp,
+        old_logp=old_logp,
+        entropy=entropy,
+        divergence=divergence,
+        ref_logp=ref_logp,
+        batch_entropy=batch_entropy,
+    )
+
     def step(method_name: str):
         logp = old_logp.clone().requires_grad_(True)
-        group = cwgrpo.Group(
-            logp=logp,
-            old_logp=old_logp,
-            advantages=adv,
-            mask=mask,
-            entropy=entropy,
-            batch_entropy=batch_entropy,
-            divergence=divergence,
-            update_pass=0,
+        one = dataclasses.replace(cfg, method=method_name)
+        loss, _ = cwgrpo.policy_loss(
+            logp, entropy, rows, one, update_pass=0, n_responses=G, n_tokens=int(mask.sum())
         )
-        terms = cwgrpo.METHODS[method_name].token_terms(group, cfg)
-        clip = cwgrpo.METHODS[method_name].clip
-        per_token = cwgrpo.token_loss(logp, old_logp, ref_logp, adv, terms, cfg, clip)
-        cwgrpo.aggregate(per_token, mask, cfg.loss_aggregation, G, int(mask.sum())).backward()
+        loss.backward()
 
     base = timed(lambda: step("grpo"), args.repeats)
     print(f"{'method':10s} {'ms':>8s} {'x grpo':>7s}")
@@ -87,13 +91,12 @@ def main() -> None:
     weight = torch.randn(args.vocab, args.hidden, generator=g) * 0.02
     targets = torch.randint(args.vocab, (G * positions,), generator=g)
     ict_mask = torch.ones(G, positions)
-    budget = cfg.logit_chunk_elements
+    budget = run_cfg.logit_chunk_elements
     divergence_s = timed(
-        lambda: cwgrpo.ict_divergence(hidden, weight, ict_mask, 0.7, budget, len(ict_mask)), 2
+        lambda: ict_divergence(hidden, weight, ict_mask, 0.7, budget, len(ict_mask)), 2
     )
     logprob_s = timed(
-        lambda: cwgrpo.chunked_logprobs(hidden.view(-1, args.hidden), weight, targets, 0.7, budget),
-        2,
+        lambda: chunked_logprobs(hidden.view(-1, args.hidden), weight, targets, 0.7, budget), 2
     )
     scale = mask.sum().item() / (G * positions)
     print(

@@ -13,7 +13,7 @@ Three cases, each a real run of cwgrpo.train (its options below):
   151,936-token vocabulary) with 2 of its 28 layers and random weights, the preset's G = 12 and
   one group a step, prompts of about 200 tokens and 32 new tokens (random weights all but never
   sample EOS, so every completion is 32 long).
-A step's time is split by wrapping section 2's sample and section 4's old_and_reference_logprobs
+A step's time is split by wrapping section 1's sample and section 3's old_and_reference_logprobs
 with timers; the update (the policy pass, its backward and AdamW) is metrics.jsonl's update_s and
 the step its rollout_s + update_s (grading and the rewards too). Each figure is the median over a
 run's steps but the first (warm-up), then over rounds; the peak is the process's maximum
@@ -35,7 +35,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import cwgrpo
-from cwgrpo_utils import BASES, tiny
+from cwgrpo_utils import tiny
+from cwgrpo_utils.presets import BASES
 
 PAPER_CONFIG = Path(cwgrpo.__file__).parent / "cwgrpo_utils" / "model_configs"
 PAPER_CONFIG = PAPER_CONFIG / "deepseek-ai--DeepSeek-R1-Distill-Qwen-1.5B.json"
@@ -83,9 +84,9 @@ def step_times(argv: list[str]) -> dict:
 
     cwgrpo.sample = timed("sampling", cwgrpo.sample)
     cwgrpo.old_and_reference_logprobs = timed("log-prob passes", cwgrpo.old_and_reference_logprobs)
-    cfg = cwgrpo.parse_config(argv)
-    cwgrpo.train(cfg)
-    records = [json.loads(line) for line in open(Path(cfg.output_dir) / "metrics.jsonl")]
+    cfg, run_cfg = cwgrpo.parse_config(argv)
+    cwgrpo.train(cfg, run_cfg)
+    records = [json.loads(line) for line in open(Path(run_cfg.output_dir) / "metrics.jsonl")]
     seconds["update"] = [r["update_s"] for r in records]
     seconds["step"] = [r["rollout_s"] + r["update_s"] for r in records]
     return {phase: statistics.median(values[1:]) for phase, values in seconds.items()}

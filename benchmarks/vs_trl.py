@@ -53,7 +53,7 @@ def shared_settings(args) -> dict:
 
 def run_cwgrpo(args, base_model: Path, out: Path) -> list[float]:
     s = shared_settings(args)
-    cfg = cwgrpo.parse_config(
+    cfg, run_cfg = cwgrpo.parse_config(
         [
             "--preset",
             "tiny",
@@ -81,7 +81,7 @@ def run_cwgrpo(args, base_model: Path, out: Path) -> list[float]:
             args.rollout,
         ]
     )
-    cwgrpo.train(cfg)
+    cwgrpo.train(cfg, run_cfg)
     return [
         json.loads(line)["time"]
         for line in (out / "cwgrpo" / "metrics.jsonl").read_text().splitlines()

@@ -37,6 +37,26 @@ class Rows:
                 out[f.name] = torch.cat(padded)
         return cls(**out)
 
+    @classmethod
+    def scored(cls, advantages: torch.Tensor, completion_mask: torch.Tensor, **tensors):
+        """Scored rows as the loss reads them, for callers that hold no prompt (verl, a benchmark,
+        the tests): each row's advantage, the (N, T) mask and the (N, T) tensors given (old_logp,
+        ref_logp, sampler_logp: 0 if not given, ...); an empty prompt and zero ids, which the loss
+        never reads."""
+        n, t = completion_mask.shape
+        device = completion_mask.device
+        return cls(
+            prompt_ids=torch.zeros(n, 0, dtype=torch.long, device=device),
+            prompt_mask=torch.zeros(n, 0, dtype=torch.long, device=device),
+            completion_ids=torch.zeros(n, t, dtype=torch.long, device=device),
+            completion_mask=completion_mask,
+            truncated=torch.zeros(n, dtype=torch.bool, device=device),
+            texts=[""] * n,
+            sampler_logp=tensors.pop("sampler_logp", torch.zeros_like(completion_mask)),
+            advantages=advantages,
+            **tensors,
+        )
+
     def select(self, start: int, stop: int):
         """Rows [start, stop), with their all-padding columns trimmed off."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -52,11 +72,10 @@ class Rows:
                 out[name] = value[:, :completion_len]
         return type(self)(**out)
 
-    def micro_batches(self, cfg):
-        """(block, part) for each micro-batch of cfg.groups_per_micro_batch whole groups (0: all
-        cfg.prompts_per_step of them) of cfg.group_size rows: the part's rows with padding columns
-        trimmed, and the (rows, columns) block of this batch's (N, T) tensors it fills."""
-        rows = (cfg.groups_per_micro_batch or cfg.prompts_per_step) * cfg.group_size
+    def micro_batches(self, rows: int):
+        """(block, part) for each micro-batch of `rows` consecutive rows (whole groups): the part's
+        rows with their padding columns trimmed, and the (rows, columns) block of this batch's
+        (N, T) tensors it fills."""
         for start in range(0, len(self.completion_mask), rows):
             part = self.select(start, start + rows)
             yield (slice(start, start + rows), slice(0, part.completion_mask.shape[1])), part

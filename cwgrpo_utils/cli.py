@@ -84,6 +84,17 @@ class Parser(HfArgumentParser):
         super().__init__(types, allow_abbrev=False, **options)
 
     def add_argument(self, *names, **options):
+        return super().add_argument(*names, **self.shaped(names, options))
+
+    def add_argument_group(self, *args, **kwargs):
+        """A group (a dataclass's _argument_group_name) whose options are shaped as the rest."""
+        group = super().add_argument_group(*args, **kwargs)
+        add = group.add_argument
+        group.add_argument = lambda *names, **options: add(*names, **self.shaped(names, options))
+        return group
+
+    def shaped(self, names: tuple, options: dict) -> dict:
+        """An option's argparse settings, from HfArgumentParser's for its field."""
         options.pop("valid", None)  # our metadata, not argparse's
         dest = options.get("dest") or names[-1].lstrip("-").replace("-", "_")
         if names[0].startswith("--no_"):
@@ -92,7 +103,7 @@ class Parser(HfArgumentParser):
             options["help"] = argparse.SUPPRESS
         if self.given_only and "default" in options:
             options["default"] = argparse.SUPPRESS
-        return super().add_argument(*names, **options)
+        return options
 
     def error(self, message: str):
         """A bad value is one line, as every other bad input: no usage block above it."""

@@ -1,7 +1,8 @@
 """lm_head.py: log-probs and entropies through the LM head without holding vocab x length logits.
 
-cwgrpo.py's log-probs (section 4) come from here. At Qwen's vocabulary (151,936) a 4,096-token
-completion has 622M logits, 2.5 GB in float32, and backward needs as much again; computing them
+The fast drop-in for cwgrpo.py's log-probs (fast_logprobs.py) computes them here. At Qwen's
+vocabulary (151,936) a 4,096-token completion has 622M logits, 2.5 GB in float32, and backward
+needs as much again; computing them
 chunk of positions by chunk, and recomputing each chunk in backward, keeps two chunks alive at
 most. ICT's divergence streams over the same distributions. This module knows nothing of cwgrpo.
 """
@@ -50,7 +51,7 @@ class ChunkedLogProbs(torch.autograd.Function):
             chunk = slice(start, start + ctx.width)
             grad_logits = scaled_logits(hidden[chunk], weight, ctx.temperature).softmax(-1)
             g = grad_logp[chunk, None]
-            # d logp / d logits = (onehot - p) / T
+            # d logp / d logits = (onehot - p) / temperature
             grad_logits.mul_(-g).scatter_add_(1, targets[chunk, None], g).div_(ctx.temperature)
             if grad_hidden is not None:
                 grad_hidden[chunk] = grad_logits.to(hidden.dtype) @ weight.to(hidden.dtype)
@@ -84,9 +85,10 @@ def ict_divergence(
 ) -> torch.Tensor:
     """ICT's u[i,t] = JS(p[i,t] || pbar[t]) in nats, pbar the mean next-token distribution of the
     responses of i's group still running at t; groups are consecutive rows of group_size. Streams
-    over positions: never more than G x chunk x vocab probabilities at once."""
+    over positions: never more than G x chunk x vocab probabilities at once (0: every position)."""
     divergence = torch.zeros(mask.shape, device=hidden.device)
     width = max(1, chunk_elements // (group_size * head_weight.shape[0]))
+    width = width if chunk_elements else mask.shape[1]
     for rows in (slice(g, g + group_size) for g in range(0, len(mask), group_size)):
         for start in range(0, mask.shape[1], width):
             columns = slice(start, start + width)
@@ -105,8 +107,8 @@ def ict_divergence(
 def squared_probability_mass(
     hidden: torch.Tensor, weight: torch.Tensor, temperature: float, chunk_elements: int
 ) -> torch.Tensor:
-    """sum_v p_v^2 at each position, streamed like the log-probs."""
-    width = max(1, chunk_elements // weight.shape[0])
+    """sum_v p_v^2 at each position, streamed like the log-probs (chunk_elements 0: at once)."""
+    width = max(1, chunk_elements // weight.shape[0]) if chunk_elements else len(hidden)
     return torch.cat(
         [
             scaled_logits(hidden[s : s + width], weight, temperature).softmax(-1).pow(2).sum(-1)

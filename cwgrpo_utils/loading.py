@@ -158,26 +158,27 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device):
     return model.to(device)
 
 
-def load_policy(cfg, checkpoint, precision):
-    """The model a run of cfg trains: fp32 master weights, the checkpoint's when resuming; with
-    LoRA (cfg.lora_rank > 0) the frozen base in the run's half precision (bf16 or fp16; fp32 on
-    a CPU) under an fp32 adapter, the checkpoint's or a fresh one drawn from cfg.seed. With
-    cfg.gradient_checkpointing, its activations are recomputed in backward."""
-    if not cfg.lora_rank:
+def load_policy(cfg, run_cfg, checkpoint, precision):
+    """The model a run trains (cfg its algorithm's options, run_cfg its run's): fp32 master weights,
+    the checkpoint's when resuming; with LoRA (run_cfg.lora_rank > 0) the frozen base in the run's
+    half precision (bf16 or fp16; fp32 on a CPU) under an fp32 adapter, the checkpoint's or a fresh
+    one drawn from cfg.seed. With run_cfg.gradient_checkpointing, its activations are recomputed in
+    backward."""
+    if not run_cfg.lora_rank:
         model = load_model(str(checkpoint or cfg.model), torch.float32, precision.device)
     else:
         base = load_model(cfg.model, precision.dtype, precision.device).requires_grad_(False)
         if checkpoint is None:
             model = lora.adapted(
                 base,
-                cfg.lora_rank,
-                cfg.lora_alpha,
-                target_modules=cfg.lora_target_modules,
+                run_cfg.lora_rank,
+                run_cfg.lora_alpha,
+                target_modules=run_cfg.lora_target_modules,
                 seed=cfg.seed,
             )
         else:
             model = lora.load_adapter(base, checkpoint)
-    if cfg.gradient_checkpointing:
+    if run_cfg.gradient_checkpointing:
         enable_checkpointing(model)
     return model
 

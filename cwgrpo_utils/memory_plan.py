@@ -159,7 +159,7 @@ class PlanOptions:
     beta: float  # 0: no reference model
     gradient_checkpointing: bool
     share_prompts: bool  # a group's prompt encoded once (shared_prompt.py)
-    logit_chunk_elements: int
+    logit_chunk_elements: int  # 0: every position's logits at once
     lora_rank: int  # 0: full fine-tuning; else a frozen base under an adapter of this rank
     lora_target_modules: str
     rollout: str  # "vllm": an engine holds vllm_gpu_memory_utilization of the card as it samples
@@ -170,8 +170,12 @@ class PlanOptions:
     precision: str = "auto"  # fp32: no half-precision copy of anything (bf16 and fp16: alike)
 
     @classmethod
-    def of(cls, options) -> "PlanOptions":
-        return cls(**{f.name: getattr(options, f.name) for f in dataclasses.fields(cls)})
+    def of(cls, *options) -> "PlanOptions":
+        """From the option dataclasses that hold these fields (cwgrpo.py's Config and RunConfig)."""
+        found = {}
+        for source in options:
+            found |= {f.name: getattr(source, f.name) for f in dataclasses.fields(source)}
+        return cls(**{f.name: found[f.name] for f in dataclasses.fields(cls)})
 
     @property
     def rows(self) -> int:  # completions a step
@@ -224,7 +228,9 @@ def plan(model: str, options: PlanOptions, cuda: bool = True) -> dict:
         "KV cache": options.sampled_rows * positions * arch.layers * 2 * arch.kv_width * half,
         "activations saved for backward": saved,
         "one layer recomputed in backward": recompute,
-        "LM head chunks": 3 * 4 * min(options.logit_chunk_elements, tokens * arch.vocab),
+        "LM head chunks": 3
+        * 4
+        * min(options.logit_chunk_elements or math.inf, tokens * arch.vocab),
     }
     engine_share = options.engine_share
     if engine_share:  # the engine's own: its share of the card, counted per card by fits()
@@ -432,13 +438,13 @@ def memory_levers(options: PlanOptions) -> list[tuple[str, dict]]:
 
 
 def what_fits(model: str, options: PlanOptions, card: tuple, recipes: dict) -> str:
-    """What would fit a card of (total, free) bytes: the recipes (name -> a Config of cwgrpo's
-    presets) of the same model that fit, else of any; and the fewest of the run's own levers that
-    fit."""
+    """What would fit a card of (total, free) bytes: the recipes (name -> the (Config, RunConfig)
+    of one of cwgrpo's presets) of the same model that fit, else of any; and the fewest of the
+    run's own levers that fit."""
     total, free = card
-    plans = {name: plan(recipe.model, PlanOptions.of(recipe)) for name, recipe in recipes.items()}
+    plans = {name: plan(pair[0].model, PlanOptions.of(*pair)) for name, pair in recipes.items()}
     fitting = [(name, needed(p, total)) for name, p in plans.items() if holds(p, total, free)]
-    same = [(name, size) for name, size in fitting if recipes[name].model == model]
+    same = [(name, size) for name, size in fitting if recipes[name][0].model == model]
     found = [f"--preset {name} fits ({size / GB:.1f} GB)" for name, size in (same or fitting)[:2]]
     changes, flags = {}, {}  # the levers that lower the need, each option's latest value
     need = needed(plan(model, options), total)

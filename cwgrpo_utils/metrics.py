@@ -5,7 +5,13 @@ mismatch). cwgrpo.py computes what is algorithm (the KL, the clipped tokens) and
 
 import torch
 
-from cwgrpo_utils import plots
+from cwgrpo_utils.cli import warn_once
+
+# metrics.jsonl's counts of completions that scored 0 whatever they said: the run warns of them
+GRADING_PROBLEMS = {
+    "gold_unparseable": "completions graded against a gold math-verify cannot parse",
+    "grading_timeouts": "gradings cut off (--reward-timeout-s or math-verify's own 5 s)",
+}
 
 
 def rollout_metrics(rollout, formats: torch.Tensor, grades: list, group_size: int) -> dict:
@@ -24,8 +30,15 @@ def rollout_metrics(rollout, formats: torch.Tensor, grades: list, group_size: in
         "gold_unparseable": sum(not g.gold_parsed for g in grades),
         "grading_timeouts": sum(g.timed_out for g in grades),
     }
-    plots.warn_of_grading_problems(metrics)  # said once, summed at the end
+    warn_of_grading_problems(metrics)  # said once, summed at the end
     return metrics
+
+
+def warn_of_grading_problems(metrics: dict) -> None:
+    """The first time a rollout batch has completions that scored 0 unread, one line says so."""
+    for key, problem in GRADING_PROBLEMS.items():
+        if metrics[key]:
+            warn_once(key, f"warning: {metrics[key]} {problem} (scored 0); counted in '{key}'")
 
 
 def touched_tokens(terms) -> torch.Tensor:
@@ -39,30 +52,31 @@ def touched_tokens(terms) -> torch.Tensor:
     return touched
 
 
-def token_values(part, entropy, old_logp, kl, clipped, terms) -> dict:
-    """Per valid token of a micro-batch (a Rollout part), what update_metrics averages: the
-    entropy, the KL (k3; None without a reference), the PPO-clipped tokens, the method's terms'
-    weights and the tokens they touch, and the trainer's log-prob l (old_logp) against the
+def token_values(rows, parts) -> dict:
+    """Per valid token of a micro-batch (a Rollout's rows), what update_metrics averages, from its
+    loss's LossParts: the entropy, the KL (k3; 0 without a reference), the PPO-clipped tokens, the
+    method's weights and the tokens they touch, and the trainer's log-prob l (old_logp) against the
     sampler's s."""
+    terms = parts.terms
     w = terms.pg_weight.detach()
     active = torch.ones_like(w) if terms.active is None else terms.active
-    log_r = old_logp - part.sampler_logp
+    log_c = parts.old_logp - rows.sampler_logp  # the sampler correction c, in log space
     per_token = {
-        "entropy": entropy,
-        "kl": torch.zeros_like(w) if kl is None else kl,
-        "clipped": clipped,
+        "entropy": parts.entropy,
+        "kl": torch.zeros_like(w) if parts.kl is None else parts.kl,
+        "clipped": parts.clipped,
         "w": w,
         "touched": touched_tokens(terms),
         "pg_on": (w != 0) & (active != 0),
-        "sampler_diff": log_r.abs(),
-        "r": log_r.exp(),
+        "sampler_diff": log_c.abs(),
+        "correction": log_c.exp(),
     }
-    return {name: values[part.completion_mask.bool()].float() for name, values in per_token.items()}
+    return {name: values[rows.completion_mask.bool()].float() for name, values in per_token.items()}
 
 
 def update_metrics(per_token: list[dict], loss: float, grad_norm: float, lr: float) -> dict:
     """An update's metrics.jsonl figures from its micro-batches' per-token values (token_values:
-    entropy, kl, clipped, w, touched, pg_on, sampler_diff, r; one a valid token)."""
+    entropy, kl, clipped, w, touched, pg_on, sampler_diff, correction; one a valid token)."""
     token = {name: torch.cat([part[name] for part in per_token]) for name in per_token[0]}
     if not len(token["w"]):  # every completion masked (--mask-truncated-completions): a 0 step
         token = {name: torch.zeros(1) for name in token}
@@ -82,5 +96,8 @@ def update_metrics(per_token: list[dict], loss: float, grad_norm: float, lr: flo
         "w_frac_above_2": (w > 2).float().mean().item(),
         "sampler_logp_diff_mean": token["sampler_diff"].mean().item(),
         "sampler_logp_diff_max": token["sampler_diff"].max().item(),
-        **{f"sampler_ratio_{f}": getattr(token["r"], f)().item() for f in ("min", "mean", "max")},
+        **{
+            f"sampler_ratio_{f}": getattr(token["correction"], f)().item()
+            for f in ("min", "mean", "max")
+        },
     }

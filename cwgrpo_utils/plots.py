@@ -1,15 +1,11 @@
-"""What cwgrpo shows a person: a run's curves and summary, the ablation's and the diagnostics'
-figures, and the intervals they draw. matplotlib is loaded only when something is drawn, so
-`import cwgrpo` loads no plotting library."""
+"""What cwgrpo draws: a run's curves, the ablation's and the diagnostics' figures, and the intervals
+they draw (a run's printed header and summary are run.py's). matplotlib is loaded only when
+something is drawn, so `import cwgrpo` loads no plotting library."""
 
-import json
 import math
 import statistics
 from pathlib import Path
 
-from cwgrpo_utils import REPOSITORY, presets
-from cwgrpo_utils.checkpoints import checkpoint_step, checkpoints
-from cwgrpo_utils.cli import command, shown_path, warn_once
 from cwgrpo_utils.run_folder import never_fatal, read_records
 
 
@@ -163,78 +159,6 @@ def first_to_last(records: list[dict], key: str) -> tuple[float, float]:
     return (
         statistics.fmean(r[key] for r in records[:tail]),
         statistics.fmean(r[key] for r in records[-tail:]),
-    )
-
-
-SUMMARY_KEYS = ("reward_mean", "accuracy_mean", "format_mean", "entropy_mean", "kl_mean")
-
-
-def run_header(cfg, precision: str) -> str:
-    """What a run is about to do, in two lines, from its Config and its precision (and why)."""
-    model, data = shown_path(cfg.model), shown_path(cfg.dataset)
-    header = f"cwgrpo: --method {cfg.method} on {model}, data {data}\n  "
-    header += f"{cfg.prompts_per_step} prompts x G = {cfg.group_size} per step, {cfg.steps} steps, "
-    header += f"beta {cfg.beta:g}, lr {cfg.learning_rate:g}, temperature {cfg.temperature:g}; "
-    return header + f"{precision}; output {cfg.output_dir}"
-
-
-# metrics.jsonl's counts of completions that scored 0 whatever they said: the run warns of them
-GRADING_PROBLEMS = {
-    "gold_unparseable": "completions graded against a gold math-verify cannot parse",
-    "grading_timeouts": "gradings cut off (--reward-timeout-s or math-verify's own 5 s)",
-}
-
-
-def warn_of_grading_problems(metrics: dict) -> None:
-    """The first time a rollout batch has completions that scored 0 unread, one line says so."""
-    for key, problem in GRADING_PROBLEMS.items():
-        if metrics[key]:
-            warn_once(key, f"warning: {metrics[key]} {problem} (scored 0); counted in '{key}'")
-
-
-def run_summary(output_dir: Path, wall_s: float, preset: str) -> str:
-    """What a run did, in a few lines: first -> last 10% of each curve (the format's only where the
-    reward counts it), its wall time, where its checkpoints, final model and pictures are, and the
-    command that evaluates its final model (on a CPU preset's own benchmark)."""
-    evaluate_command = command(
-        str(REPOSITORY / "evaluate.py"), presets.final_model_evaluation(output_dir, preset)
-    )
-    records = read_records(output_dir / "metrics.jsonl")
-    options = json.loads((output_dir / "run_config.json").read_text())
-    out = [
-        f"done in {wall_s:.0f} s; first -> last 10% of {len(records)} steps "
-        f"(completions sampled at temperature {options['temperature']:g}):"
-    ]
-    for key in SUMMARY_KEYS:
-        first, last = first_to_last(records, key)
-        if key == "format_mean" and not options["format_weight"]:
-            out.append("  format    not rewarded (--format-weight 0)")
-            continue
-        out.append(f"  {key.removesuffix('_mean'):9s} {first:8.3f} -> {last:.3f}")
-    batches = {r["rollout_step"]: r for r in records}.values()  # a batch's grades, counted once
-    problems = {what: sum(r.get(key, 0) for r in batches) for key, what in GRADING_PROBLEMS.items()}
-    if any(problems.values()):
-        counts = ", ".join(f"{n} {what}" for what, n in problems.items() if n)
-        out.append(f"  grading: {counts} (scored 0)")
-    skipped = records[-1].get("skipped_steps", 0)  # records before the count was kept have none
-    if skipped:
-        scale = (
-            f"; loss scale now {records[-1]['loss_scale']:g}" if "loss_scale" in records[-1] else ""
-        )
-        out.append(
-            f"  skipped: {skipped} of {len(records)} optimizer steps, their gradient not finite "
-            f"(no weight changed){scale}"
-        )
-    kept = sorted(checkpoints(output_dir), key=checkpoint_step)
-    return "\n".join(
-        out
-        + [
-            f"checkpoints: {', '.join(map(str, kept))}",
-            f"final model: {output_dir / 'final-model'}",
-            f"pictures:    {output_dir / 'curves.png'} and {output_dir / 'tokens.html'}",
-            f"evaluate it: {evaluate_command} (at evaluate.py's own --temperature, which its "
-            "results state)",
-        ]
     )
 
 

@@ -1,31 +1,114 @@
-"""The CPU presets' models and tasks (cwgrpo.py's PRESETS), ready on first use in the clone: tiny's
-and tiny-chain's built here (tiny.py); smollm2-sums's task written and, where the hub cannot be
-reached, its model built from a GGUF file (smollm2.py)."""
+"""cwgrpo.py's --preset recipes, in one place: the paper's for one GPU, and the CPU ones, each
+with the folder its model and task are built in, its task, and the held-out problems it is
+evaluated on (evaluation_sets/). Light on purpose: cwgrpo.py reads it before it imports torch.
 
-from cwgrpo_utils import REPOSITORY, smollm2, tiny
+- tiny, tiny-chain: a Qwen2 of 115k parameters warm-started on sums of digits (tiny.py builds it
+  on first use), one decision a completion or three;
+- smollm2-sums: SmolLM2-135M-Instruct, a real LM that writes no think tags, so only accuracy
+  counts (smollm2.py writes its task and, where the hub is off, builds it from a GGUF file).
+"""
+
+from cwgrpo_utils import REPOSITORY
 from cwgrpo_utils.cli import shown_path
 
-# Each CPU preset's benchmark and completion limit: every problem of a tiny task; for smollm2-sums,
-# 64 sums of two-digit numbers, which it never trains on
-BENCHMARKS = dict(tiny.TASKS)
-BENCHMARKS["smollm2-sums"] = smollm2.BENCHMARK
+SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"  # smollm2-sums's model, on the hub
+# Each CPU preset's folder, one per clone: its task, and its model where one is built here
+BASES = {
+    name: REPOSITORY / "runs" / f"{name}-base" for name in ("tiny", "tiny-chain", "smollm2-sums")
+}
+EVALUATION_SETS = REPOSITORY / "evaluation_sets"
 
+# LoRA on every linear layer at 10x full fine-tuning's learning rate ("LoRA Without Regret")
+LORA = dict(lora_rank=32, learning_rate=1e-5)
+# The GPU recipes' values; cwgrpo.py's Config defaults are the paper's 1.5B one (docs/math.md,
+# "Recipe")
+GPU_PRESETS = {
+    "paper-1.5b": {},
+    # Qwen2.5-Math-7B has 4,096 positions: prompt + completion fit in them with --length-limit total
+    "paper-7b": dict(model="Qwen/Qwen2.5-Math-7B-Instruct", format_weight=0.0, steps=150),
+    # The 1.5B recipe on one 24 GB card: TRL's quick-start model, 3,072 positions, 4 prompts at once
+    "qwen0.5b-24gb": dict(
+        model="Qwen/Qwen2.5-0.5B-Instruct", max_completion_length=3072, rollout_chunk=4
+    ),
+    # The paper's model and recipe on one 24 GB card under LoRA: 3,072 positions, 4 prompts at once
+    "paper-1.5b-lora-24gb": {**LORA, "max_completion_length": 3072, "rollout_chunk": 4},
+    # ... on a free 16 GB T4 (fp16 by --precision auto): 1,536 positions, peak 13.1 of 14.7 GB
+    "paper-1.5b-lora-16gb": {**LORA, "max_completion_length": 1536, "rollout_chunk": 4},
+    # Qwen2.5-Math-7B with the paper's 7B recipe on one 80 GB card, under the same LoRA
+    "paper-7b-lora-80gb": {
+        **LORA,
+        "model": "Qwen/Qwen2.5-Math-7B-Instruct",
+        "format_weight": 0.0,
+        "steps": 150,
+    },
+}
 
-def ready(model: str, dataset: str = "") -> str:
-    """The folder or hub id to load `model` from, once what it and `dataset` need is built."""
-    tiny.build_if_missing(model)
-    return smollm2.ready(model, dataset)
+# What the CPU presets share: no system prompt (the toys' template has none), 8 prompts x G = 8 in
+# one micro-batch, new tokens counted alone, a short warmup, no activation checkpointing, seed 0
+CPU_RECIPE = dict(
+    system_prompt="",
+    group_size=8,
+    prompts_per_step=8,
+    groups_per_micro_batch=0,
+    seed=0,
+    max_prompt_length=64,
+    length_limit="new",
+    temperature=1.0,
+    learning_rate=7e-4,
+    warmup_ratio=0.05,
+    steps=200,
+    save_every=50,
+    gradient_checkpointing=False,
+)
+CPU_PRESETS = {
+    "tiny": {
+        **CPU_RECIPE,
+        "model": f"{BASES['tiny']}/model",
+        "dataset": f"{BASES['tiny']}/arithmetic.jsonl",
+        "max_completion_length": 40,
+    },
+    "tiny-chain": {
+        **CPU_RECIPE,
+        "model": f"{BASES['tiny-chain']}/model",
+        "dataset": f"{BASES['tiny-chain']}/arithmetic.jsonl",
+        "max_completion_length": 64,
+    },
+    "smollm2-sums": {
+        **CPU_RECIPE,
+        "model": SMOLLM2,
+        "dataset": f"{BASES['smollm2-sums']}/sums.jsonl",
+        "format_weight": 0.0,
+        "prompts_per_step": 2,
+        "max_prompt_length": 128,
+        "max_completion_length": 48,
+        "steps": 12,
+        "temperature": 0.7,
+        "learning_rate": 2e-5,
+        "save_every": 10,
+    },
+}
+PRESETS = {**GPU_PRESETS, **CPU_PRESETS}  # --preset's choices, the paper's 1.5B recipe first
+
+# Each CPU preset's task: a tiny one adds `operands` digits, a decision a step, after a warm-start
+# of `warmstart_steps`; each is evaluated on every problem of its held-out set, with its limit
+TASKS = {
+    "tiny": dict(operands=2, warmstart_steps=250, evaluation_set="tiny-arithmetic.jsonl")
+    | dict(max_new_tokens=40),
+    "tiny-chain": dict(operands=4, warmstart_steps=1000, evaluation_set="tiny-chain.jsonl")
+    | dict(max_new_tokens=64),
+    "smollm2-sums": dict(evaluation_set="smollm2-sums.jsonl", max_new_tokens=48),  # 2-digit sums
+}
 
 
 def evaluate_options(preset: str) -> tuple[str, ...]:
-    """evaluate.py's options for a CPU preset's model: its benchmark, the questions as they are
+    """evaluate.py's options for a CPU preset's model: its held-out set, the questions as they are
     (as in training), plain sampling; none for the other presets."""
-    if preset not in BENCHMARKS:
+    if preset not in TASKS:
         return ()
-    bench = shown_path(REPOSITORY / "benchmarks" / BENCHMARKS[preset]["benchmark"])
+    problems = shown_path(EVALUATION_SETS / TASKS[preset]["evaluation_set"])
     prompts = ("--gold-format", "expr", "--prompt-template", "{question}")
-    sampling = ("--top-p", "1.0", "--max-new-tokens", str(BENCHMARKS[preset]["max_new_tokens"]))
-    return ("--benchmarks", bench, *prompts, *sampling)
+    sampling = ("--top-p", "1.0", "--max-new-tokens", str(TASKS[preset]["max_new_tokens"]))
+    return ("--benchmarks", problems, *prompts, *sampling)
 
 
 def final_model_evaluation(output_dir, preset: str) -> list[str]:

@@ -61,17 +61,18 @@ class RunFolder:
         self.trackers = None
 
     @classmethod
-    def for_run(cls, cfg) -> "RunFolder":
-        """The folder of a run of cwgrpo.py's cfg (its output_dir, resume, overwrite_output_dir and
-        report_to), which a resume may change only RESUME_MAY_CHANGE of."""
-        options = dataclasses.asdict(cfg)
+    def for_run(cls, cfg, run_cfg) -> "RunFolder":
+        """The folder of a cwgrpo.py run of cfg and run_cfg (its output_dir, resume,
+        overwrite_output_dir and report_to), whose options a resume may change only
+        RESUME_MAY_CHANGE of."""
+        options = dataclasses.asdict(cfg) | dataclasses.asdict(run_cfg)
         return cls(
-            cfg.output_dir,
+            run_cfg.output_dir,
             options,
-            cfg.resume,
-            cfg.overwrite_output_dir,
+            run_cfg.resume,
+            run_cfg.overwrite_output_dir,
             may_change=RESUME_MAY_CHANGE,
-            report_to=cfg.report_to,
+            report_to=run_cfg.report_to,
         )
 
     def __enter__(self) -> "RunFolder":

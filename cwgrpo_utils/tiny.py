@@ -33,18 +33,11 @@ from tqdm import tqdm
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from cwgrpo_utils import BASES
 from cwgrpo_utils.checkpoints import save_checkpoint
 from cwgrpo_utils.cli import arg, parse_dataclasses, shown_path
+from cwgrpo_utils.presets import BASES, TASKS
 
-# Each tiny preset's task: the problems add `operands` digits, a decision a step; where it is
-# built, how long its warm-start is, its benchmark (every problem of the task) and completion limit
-TASKS = {
-    "tiny": dict(base=BASES["tiny"], operands=2, warmstart_steps=250)
-    | dict(benchmark="tiny-arithmetic.jsonl", max_new_tokens=40),
-    "tiny-chain": dict(base=BASES["tiny-chain"], operands=4, warmstart_steps=1000)
-    | dict(benchmark="tiny-chain.jsonl", max_new_tokens=64),
-}
+TINY_PRESETS = ("tiny", "tiny-chain")  # the presets whose model is built here (presets.TASKS)
 
 
 CHATML_TEMPLATE = (
@@ -55,7 +48,7 @@ CHATML_TEMPLATE = (
 
 @dataclass
 class TinyConfig:
-    preset: Literal[tuple(TASKS)] = arg("tiny", "the preset whose model and task to build")
+    preset: Literal[TINY_PRESETS] = arg("tiny", "the preset whose model and task to build")
     output_dir: str = arg("", "gets model/ and arithmetic.jsonl; default: the preset's base")
     seed: int = arg(0, "seed of the model's initialisation, the data and the warm-start")
     warmstart_steps: int = arg(0, "supervised steps of 32 examples before RL; 0: the preset's")
@@ -183,7 +176,7 @@ def build(
     it is unless overwrite; any other is rebuilt."""
     task = TASKS[preset]
     out, warmstart_steps = (
-        Path(output_dir or task["base"]),
+        Path(output_dir or BASES[preset]),
         warmstart_steps or task["warmstart_steps"],
     )
     settings = {
@@ -220,8 +213,8 @@ def build(
 
 def build_if_missing(model: str) -> None:
     """A tiny preset's model and data, built on its first use in this clone."""
-    for preset, task in TASKS.items():
-        if Path(model) == task["base"] / "model" and not Path(model).exists():
+    for preset in TINY_PRESETS:
+        if Path(model) == BASES[preset] / "model" and not Path(model).exists():
             build(preset=preset)
 
 

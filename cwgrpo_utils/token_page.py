@@ -84,7 +84,7 @@ function show(method) {
       span.style.background = colour(w);
       span.classList.toggle("touched", touched === 1);
       span.title = `p = ${view.prob[i][t].toPrecision(3)}, covariance score = ` +
-        `${view.cov[i][t].toPrecision(3)}, advantage = ${view.adv[i].toPrecision(3)}, ` +
+        `${view.score[i][t].toPrecision(3)}, advantage = ${view.adv[i].toPrecision(3)}, ` +
         `${method} weight = ${w.toPrecision(3)}${touched ? " (touched)" : ""}`;
     });
   }
@@ -136,7 +136,7 @@ def view(label: str, tokenizer, rows, weighed: dict, shown_passes: list, shown: 
         "correct": [a == 1 for a in rows.accuracy[: len(lengths)].tolist()],
         "tokens": [token_texts(tokenizer, ids) for ids in completions],
         "prob": per_token(weighed["logp"].exp()),
-        "cov": per_token(weighed["cov"]),
+        "score": per_token(weighed["score"]),
         "adv": [round(a, 4) for a in rows.advantages[: len(lengths)].tolist()],
         "weights": {name: per_token(w) for name, (w, _) in weights.items()},
         "touched": {name: per_token(t.int()) for name, (_, t) in weights.items()},
@@ -176,9 +176,10 @@ def write(
 ) -> None:
     """A self-contained page of sampled completions, each token coloured by the weight a method
     gives it; a selector shows any other method on the same tokens. views: one per step, each
-    {"label", "tokens" (a list of token strings per completion), "prob", "cov" (per token),
-    "adv" (per completion), "weights" and "touched" (method -> per token)}. Token text is model
-    output, so it is escaped; the data travels as JSON with "</" escaped."""
+    {"label", "tokens" (a list of token strings per completion), "prob" and "score" (cw's
+    covariance score) per token, "adv" (per completion), "weights" and "touched" (method -> per
+    token)}. Token text is model output, so it is escaped; the data travels as JSON with "</"
+    escaped."""
     body = []
     for v, view in enumerate(views):
         body.append(f"<h2>{html.escape(view['label'])}</h2>")
@@ -213,7 +214,8 @@ def write(
         {
             "method": method,
             "views": [
-                {k: view[k] for k in ("prob", "cov", "adv", "weights", "touched")} for view in views
+                {k: view[k] for k in ("prob", "score", "adv", "weights", "touched")}
+                for view in views
             ],
         },
         separators=(",", ":"),

@@ -78,17 +78,17 @@ class Engine:
             self.llm.sleep(level=2)
 
     @classmethod
-    def for_run(cls, cfg, precision) -> "Engine":
-        """The trainer's engine (--rollout vllm) for a run of cfg in `precision` (its dtype), sized
-        for its step: all its rows at once, each as long as a row can be; it samples only the
-        weights pushed."""
-        plan = PlanOptions.of(cfg)
+    def for_run(cls, cfg, run_cfg, precision) -> "Engine":
+        """The trainer's engine (--rollout vllm) for a run of cfg and run_cfg in `precision` (its
+        dtype), sized for its step: all its rows at once, each as long as a row can be; it samples
+        only the weights pushed."""
+        plan = PlanOptions.of(cfg, run_cfg)
         return cls(
             cfg.model,
             max_model_len=plan.positions,
             rows=plan.rows,
             device=precision.device,
-            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+            gpu_memory_utilization=run_cfg.vllm_gpu_memory_utilization,
             seed=cfg.seed,
             dtype=precision.vllm_dtype,
         )

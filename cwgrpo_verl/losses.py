@@ -49,8 +49,19 @@ def cwgrpo_config(verl_config, overrides: dict) -> cwgrpo.Config:
     )
 
 
+def scored_rows(log_prob, old_log_prob, advantages, response_mask) -> cwgrpo.Rollout:
+    """verl's micro-batch as the scored rows cwgrpo.policy_loss reads: each response's advantage
+    (verl's are per token; GRPO's constant along a response), its mask and old log-probs (the
+    sampler's too: verl weights its own rollout correction)."""
+    mask = response_mask.to(log_prob.dtype)
+    per_response = (advantages * mask).sum(1) / mask.sum(1).clamp(min=1)
+    return cwgrpo.Rollout.scored(
+        per_response, mask, old_logp=old_log_prob, sampler_logp=old_log_prob
+    )
+
+
 def make_policy_loss(method_name: str, overrides: dict):
-    method = cwgrpo.METHODS[method_name]
+    cwgrpo_method = {"method": method_name, **overrides}
 
     def policy_loss(
         old_log_prob: torch.Tensor,
@@ -61,30 +72,20 @@ def make_policy_loss(method_name: str, overrides: dict):
         config=None,
         rollout_is_weights: torch.Tensor | None = None,
     ):
-        cfg = cwgrpo_config(config, overrides)
-        mask = response_mask.to(log_prob.dtype)
-        # verl's advantages are per token; GRPO's are constant along a response
-        per_response = (advantages * mask).sum(1) / mask.sum(1).clamp(min=1)
-        group = cwgrpo.Group(
-            logp=log_prob,
-            old_logp=old_log_prob,
-            advantages=per_response,
-            mask=mask,
-            entropy=torch.zeros_like(log_prob),
-            batch_entropy=None,
-            divergence=None,
-            update_pass=0,
-        )
-        terms = method.token_terms(group, cfg)
-        loss = cwgrpo.token_loss(
+        # verl's micro-batch as one group (its rows' statistics together, as verl's own losses)
+        cfg = cwgrpo_config(config, cwgrpo_method)
+        cfg = dataclasses.replace(cfg, group_size=len(log_prob))
+        rows = scored_rows(log_prob, old_log_prob, advantages, response_mask)
+        _, parts = cwgrpo.policy_loss(
             log_prob,
-            old_log_prob,
-            None,
-            advantages=per_response,
-            terms=terms,
-            cfg=cfg,
-            clip=method.clip,
-        )
+            torch.zeros_like(log_prob),
+            rows,
+            cfg,
+            update_pass=0,
+            n_responses=len(log_prob),
+            n_tokens=1,
+        )  # only its per-token loss: verl averages it its own way
+        loss, terms = parts.per_token, parts.terms
         if rollout_is_weights is not None:
             loss = loss * rollout_is_weights
         pg_loss = agg_loss(
@@ -96,11 +97,9 @@ def make_policy_loss(method_name: str, overrides: dict):
         # the sampler's log-probs are verl's business (it weights and logs its own rollout
         # correction, rollout_is_weights), and so is the KL: only the method's figures here
         valid = response_mask.bool()
-        ratio = torch.exp(log_prob.detach() - old_log_prob)
-        clipped = cwgrpo.ppo_clipped(ratio, per_response, cfg) & method.clip
         w = terms.pg_weight.detach()[valid]
         return pg_loss, {
-            "actor/pg_clipfrac": clipped[valid].float().mean().item(),
+            "actor/pg_clipfrac": parts.clipped[valid].float().mean().item(),
             "actor/ppo_kl": (old_log_prob - log_prob).detach()[valid].mean().item(),
             "actor/cwgrpo_w_mean": w.mean().item(),
             "actor/cwgrpo_w_min": w.min().item(),

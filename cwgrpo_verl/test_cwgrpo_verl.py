@@ -99,24 +99,16 @@ def test_registered_loss_equals_cwgrpos_loss_path(name, mode):
     # with Cui et al.'s kl_cov settings set in verl's config, as the README's command does, the
     # registered loss is cwgrpo's with its own defaults
 
-    cfg = cwgrpo.dataclasses.replace(cwgrpo.Config(), beta=0.0, loss_aggregation=mode, **overrides)
-    ours = logp.clone().requires_grad_(True)
-    adv = advantages[:, 0]
-    torch.manual_seed(1)
-    group = cwgrpo.Group(
-        logp=ours,
-        old_logp=old,
-        advantages=adv,
-        mask=mask,
-        entropy=torch.zeros_like(ours),
-        batch_entropy=None,
-        divergence=None,
-        update_pass=0,
+    cfg = cwgrpo.dataclasses.replace(
+        cwgrpo.Config(), method=method, beta=0.0, loss_aggregation=mode, group_size=len(mask)
     )
-    terms = cwgrpo.METHODS[method].token_terms(group, cfg)
-    clip = cwgrpo.METHODS[method].clip
-    per_token = cwgrpo.token_loss(ours, old, None, adv, terms, cfg, clip)
-    loss = cwgrpo.aggregate(per_token, mask, mode, len(mask), int(mask.sum()))
+    cfg = cwgrpo.dataclasses.replace(cfg, **overrides)
+    ours = logp.clone().requires_grad_(True)
+    rows = losses.scored_rows(ours, old, advantages, mask)
+    torch.manual_seed(1)
+    loss, _ = cwgrpo.policy_loss(
+        ours, torch.zeros_like(ours), rows, cfg, 0, n_responses=len(mask), n_tokens=int(mask.sum())
+    )
     loss.backward()
     torch.testing.assert_close(verl_loss, loss.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(verl_grad, ours.grad, rtol=1e-5, atol=1e-6)

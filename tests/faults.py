@@ -1,7 +1,7 @@
 """Run cwgrpo.py with a fault injected at the Nth call of a named function, to see what a kill or
 a failed write does to a run. The whole-run tests (tests/test_runs.py) drive it.
 
-    CWGRPO_FAULT=cwgrpo:update:3 python -m tests.faults --preset tiny   # SIGKILL at update 3
+    CWGRPO_FAULT=cwgrpo:policy_loss:3 python -m tests.faults --preset tiny   # SIGKILL at update 3
     CWGRPO_FAULT=torch:save:2:after python -m tests.faults ...    # after the 2nd torch.save
     CWGRPO_FAULT=torch:save:2:enospc python -m tests.faults ...   # "No space left on device"
 
@@ -15,7 +15,7 @@ or the first tensor of a tuple result, times NaN), oom (the call raises torch.Ou
 with CUDA's message). The kill is SIGKILL, as from the OOM killer or a preempted job: no handler
 runs, no file is closed, the grading workers are orphaned.
 
-    CWGRPO_FAULT=cwgrpo:completion_logprobs:5:nan python -m tests.faults ...   # one NaN loss
+    CWGRPO_FAULT=cwgrpo_utils.fast_logprobs:completion_logprobs:5:nan python -m tests.faults ...
     CWGRPO_FAULT=cwgrpo:sample_tokens:3+:oom python -m tests.faults ...        # out of memory
 """
 
@@ -100,4 +100,4 @@ if __name__ == "__main__":
         arm(os.environ["CWGRPO_FAULT"])
     # what resume_command() prints is then the command of python cwgrpo.py, as mimicked here
     sys.argv, sys.modules["__main__"].__spec__ = [str(cwgrpo.__file__), *sys.argv[1:]], None
-    cwgrpo.train(cwgrpo.parse_config(sys.argv[1:]))
+    cwgrpo.train(*cwgrpo.parse_config(sys.argv[1:]))

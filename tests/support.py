@@ -69,8 +69,8 @@ def tensorboard_records(run: Path) -> list[dict]:
     return [{k: v for k, v in steps[s].items() if k not in TIMING_KEYS} for s in sorted(steps)]
 
 
-def saved_activation_bytes(model, cfg, rows: int, prompt: int, new: int) -> int:
-    """The bytes completion_logprobs keeps for backward on a batch of random tokens of rows x
+def saved_activation_bytes(model, cfg, run_cfg, rows: int, prompt: int, new: int) -> int:
+    """The bytes the run's log-prob pass keeps for backward on a batch of random tokens of rows x
     (prompt + new), rows in groups of cfg.group_size sharing a prompt as a rollout's do, the
     last group's prompt 3 tokens shorter (left padding, as prompts of different lengths have):
     the unique storages saved_tensors_hooks sees, the weights left out."""
@@ -91,7 +91,7 @@ def saved_activation_bytes(model, cfg, rows: int, prompt: int, new: int) -> int:
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(saved, lambda tensor: tensor):
-        cwgrpo.completion_logprobs(model, rollout, cfg)
+        cwgrpo.logprobs_of_run(run_cfg, cfg.group_size)(model, rollout, cfg.temperature)
     return sum(size for pointer, size in storages.items() if pointer not in weights)
 
 

@@ -10,6 +10,7 @@ import pytest
 import cwgrpo
 from cwgrpo_utils import cli
 from cwgrpo_utils.cli import OPTIONAL
+from cwgrpo_utils.run_config import RunConfig
 from tests.support import ROOT, load_evaluate, run_cli
 
 evaluate = load_evaluate()
@@ -29,9 +30,15 @@ def run(tool: str, *argv: str) -> subprocess.CompletedProcess:
 def test_help_documents_every_option_and_method():
     out = run("cwgrpo.py", "--help")
     assert out.returncode == 0
-    for f in cwgrpo.dataclasses.fields(cwgrpo.Config):
-        assert f"--{f.name}" in out.stdout and f.metadata.get("help")
+    for options in (cwgrpo.Config, RunConfig):
+        for f in cwgrpo.dataclasses.fields(options):
+            assert f"--{f.name}" in out.stdout and f.metadata.get("help")
     assert "{" + ",".join(cwgrpo.METHODS) + "}" in out.stdout  # every method, in the table's order
+    # the algorithm's options, then the run's, each in a group of its own
+    help_text = out.stdout.split("\noptions:\n")[1]  # below the usage lines
+    algorithm = help_text.index(cwgrpo.Config._argument_group_name + ":")
+    run_options = help_text.index(RunConfig._argument_group_name + ":")
+    assert algorithm < help_text.index("--method") < run_options < help_text.index("--rollout ")
 
 
 def test_every_method_in_the_one_table_has_its_token_terms_and_real_options():
@@ -48,7 +55,7 @@ def test_flags_that_contradict_each_other_are_one_line_naming_both():
         "error: --cw-reading paper means --cw-norm valid; it contradicts --cw-norm padded"
     )
     agreed = ["--preset", "tiny", "--cw-reading", "paper", "--cw-norm", "valid"]
-    assert cwgrpo.parse_config(agreed).cw_detach  # what the reading means, and said alike
+    assert cwgrpo.parse_config(agreed)[0].cw_detach  # what the reading means, and said alike
 
 
 def test_a_methods_options_given_to_another_method_are_named(capsys):

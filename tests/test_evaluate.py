@@ -191,7 +191,7 @@ def test_default_evaluation_folders_differ_for_models_of_the_same_name():
 def test_a_model_that_is_nowhere_is_one_line_and_leaves_no_folder(tmp_path):
     """As in a fresh clone: no runs/ folder, so runs/nope reads as a hub id, which is not cached
     and the hub cannot be reached: one line, no eval/ folder (it used to leave eval/runs-nope)."""
-    bench = ROOT / "benchmarks" / "tiny-arithmetic.jsonl"
+    bench = ROOT / "evaluation_sets" / "tiny-arithmetic.jsonl"
     done = subprocess.run(
         [
             sys.executable,

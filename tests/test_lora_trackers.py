@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import cwgrpo
 from cwgrpo_utils import checkpoints, loading, lora, memory_plan, trackers
+from cwgrpo_utils.run_config import RunConfig
 from tests.support import (
     LORA_ARGS,
     SMALL_SHAPE,
@@ -27,7 +28,7 @@ from tests.support import (
 def lora_run(tmp_path_factory, TINY_RUN):
     """The four steps of TINY_RUN with a rank-4 adapter, a checkpoint every two."""
     out = tmp_path_factory.mktemp("lora") / "run"
-    cwgrpo.train(cwgrpo.parse_config([*TINY_RUN, *LORA_ARGS, "--output-dir", str(out)]))
+    cwgrpo.train(*cwgrpo.parse_config([*TINY_RUN, *LORA_ARGS, "--output-dir", str(out)]))
     return out
 
 
@@ -71,10 +72,10 @@ def test_a_lora_resume_reproduces_the_uninterrupted_run(lora_run, tmp_path, TINY
     args = [*TINY_RUN, *LORA_ARGS, "--output-dir", str(crashed)]
     crash_at_save(monkeypatch, 2)  # during step 4's save: no checkpoint-4, no final model
     with pytest.raises(Crash):
-        cwgrpo.train(cwgrpo.parse_config(args))
+        cwgrpo.train(*cwgrpo.parse_config(args))
     monkeypatch.undo()
     assert checkpoints.latest_checkpoint(crashed).name == "checkpoint-2"
-    cwgrpo.train(cwgrpo.parse_config([*args, "--resume"]))
+    cwgrpo.train(*cwgrpo.parse_config([*args, "--resume"]))
     assert read_metrics(crashed / "metrics.jsonl") == read_metrics(lora_run / "metrics.jsonl")
 
 
@@ -106,8 +107,8 @@ def test_the_lora_plan_is_the_real_allocations(tmp_path, targets, checkpointing,
     options += ["--max-completion-length", "40", "--length-limit", "new", "--lora-rank", "8"]
     options += ["--lora-target-modules", targets, "--beta", "0.04"]
     options += ["--gradient-checkpointing", str(checkpointing), "--share-prompts", str(share)]
-    cfg = cwgrpo.parse_config(options)
-    plan = memory_plan.plan(str(tmp_path), memory_plan.PlanOptions.of(cfg), cuda=False)
+    cfg, run_cfg = cwgrpo.parse_config(options)
+    plan = memory_plan.plan(str(tmp_path), memory_plan.PlanOptions.of(cfg, run_cfg), cuda=False)
     items = plan["items"]
     model = lora.adapted(model.requires_grad_(False), 8, 16, targets).train()
     trained = [p for p in model.parameters() if p.requires_grad]
@@ -128,7 +129,7 @@ def test_the_lora_plan_is_the_real_allocations(tmp_path, targets, checkpointing,
     # activations: what the adapted model saves for backward, as the full model's are checked
     if checkpointing:
         loading.enable_checkpointing(model)
-    measured = saved_activation_bytes(model, cfg, 4, 24, 40)
+    measured = saved_activation_bytes(model, cfg, run_cfg, 4, 24, 40)
     planned = items["activations saved for backward"]
     if targets == "all-linear" or checkpointing:  # checkpointed, the layers' inputs alone
         assert measured == pytest.approx(planned, rel=0.03)
@@ -138,10 +139,10 @@ def test_the_lora_plan_is_the_real_allocations(tmp_path, targets, checkpointing,
 
 def test_the_lora_presets_fit_the_cards_they_name():
     for preset, card in (("paper-1.5b-lora-24gb", 24), ("paper-7b-lora-80gb", 80)):
-        cfg = cwgrpo.parse_config(["--preset", preset])
-        plan = memory_plan.plan(cfg.model, memory_plan.PlanOptions.of(cfg))
+        cfg, run_cfg = cwgrpo.parse_config(["--preset", preset])
+        plan = memory_plan.plan(cfg.model, memory_plan.PlanOptions.of(cfg, run_cfg))
         assert card in memory_plan.fits(plan)[0], preset
-        assert cfg.lora_rank == 32 and cfg.learning_rate == 1e-5
+        assert run_cfg.lora_rank == 32 and cfg.learning_rate == 1e-5
 
 
 def test_report_to_checks_the_tracker_and_its_library_at_parse_time():
@@ -157,18 +158,18 @@ def test_report_to_checks_the_tracker_and_its_library_at_parse_time():
         with pytest.raises(SystemExit) as error:
             cwgrpo.parse_config(["--preset", "tiny", "--report-to", name])
         assert str(error.value).endswith(f"which is not installed: pip install {name}")
-    assert cwgrpo.Config().report_to == ["none"]
+    assert RunConfig().report_to == ["none"]
     if "tensorboard" not in missing:
-        cfg = cwgrpo.parse_config(["--preset", "tiny", "--report-to", "tensorboard"])
-        assert cfg.report_to == ["tensorboard"]
+        _, run_cfg = cwgrpo.parse_config(["--preset", "tiny", "--report-to", "tensorboard"])
+        assert run_cfg.report_to == ["tensorboard"]
 
 
 def test_tensorboard_holds_every_metric_at_its_step_and_the_options(tmp_path, TINY_RUN):
     pytest.importorskip("tensorboard")
     out = tmp_path / "run"
     args = [*TINY_RUN, "--report-to", "tensorboard", "--output-dir", str(out)]
-    cwgrpo.train(cwgrpo.parse_config([*args, "--steps", "2"]))
-    cwgrpo.train(cwgrpo.parse_config([*args, "--resume"]))  # extended to 4 steps, resumed
+    cwgrpo.train(*cwgrpo.parse_config([*args, "--steps", "2"]))
+    cwgrpo.train(*cwgrpo.parse_config([*args, "--resume"]))  # extended to 4 steps, resumed
     records = read_metrics(out / "metrics.jsonl")
     numbers = [{k: v for k, v in r.items() if isinstance(v, int | float)} for r in records]
     logged = tensorboard_records(out)
@@ -193,11 +194,11 @@ def test_wandb_offline_and_trackio_continue_their_run_across_a_resume(
     args = [*TINY_RUN, "--report-to", "wandb", "trackio", "--output-dir", str(out)]
     crash_at_save(monkeypatch, 2)  # during step 4's save: steps 3 and 4 sent, then lost
     with pytest.raises(Crash):
-        cwgrpo.train(cwgrpo.parse_config(args))
+        cwgrpo.train(*cwgrpo.parse_config(args))
     monkeypatch.undo()
     monkeypatch.setenv("WANDB_MODE", "offline")
     ids = json.loads((out / "trackers.json").read_text())
-    cwgrpo.train(cwgrpo.parse_config([*args, "--resume"]))
+    cwgrpo.train(*cwgrpo.parse_config([*args, "--resume"]))
     assert json.loads((out / "trackers.json").read_text()) == ids | {"sent": 4}
     runs = sorted(p.name for p in (out / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(name.endswith(f"-{ids['wandb']}") for name in runs)

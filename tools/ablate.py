@@ -34,7 +34,7 @@ from typing import Literal
 from tqdm import tqdm
 
 import cwgrpo
-from cwgrpo_utils import checkpoints, plots, presets
+from cwgrpo_utils import checkpoints, plots, preset_models, presets
 from cwgrpo_utils.cli import arg, parse_dataclasses
 from cwgrpo_utils.run_folder import StopRequest, option_differences, read_records
 from tools import diagnose
@@ -154,8 +154,9 @@ def run_arguments(
 
 
 def run_configs(runs: list, methods: dict, acfg: AblationConfig, run_args: list) -> dict:
-    """Every run's Config, parsed before any run starts: a typo in the options, or a value out of
-    range, stops here in one line, with no folder made; an option a method ignores is noted."""
+    """Every run's options (its Config and RunConfig), parsed before any run starts: a typo in the
+    options, or a value out of range, stops here in one line, with no folder made; an option a
+    method ignores is noted."""
     return {
         run_dir: cwgrpo.parse_config(run_arguments(methods[label], seed, run_dir, acfg, run_args))
         for label, seed, run_dir in runs
@@ -166,10 +167,11 @@ def changed_runs(configs: dict) -> dict:
     """The runs already in the folder whose recorded options are not the ones asked for now,
     each with what differs (a finished 10-step run is not a 30-step one)."""
     changed = {}
-    for run_dir, asked in configs.items():
+    for run_dir, (cfg, run_cfg) in configs.items():
         if (run_dir / "run_config.json").is_file():
             recorded = json.loads((run_dir / "run_config.json").read_text())
-            differences = option_differences(recorded, dataclasses.asdict(asked))
+            asked = dataclasses.asdict(cfg) | dataclasses.asdict(run_cfg)
+            differences = option_differences(recorded, asked)
             if differences:
                 changed[run_dir] = f"{run_dir.name} ({'; '.join(differences)})"
     return changed
@@ -319,8 +321,8 @@ def ablate(argv: list) -> Path:
         for seed in range(acfg.seeds)
     ]
     configs = run_configs(runs, methods, acfg, run_args)
-    first = configs[runs[0][2]]  # the preset's model and task, built once before the runs start
-    presets.ready(first.model, first.dataset)
+    first = configs[runs[0][2]][0]  # the preset's model and task, built once before the runs
+    preset_models.ready(first.model, first.dataset)
     output_dir.mkdir(parents=True, exist_ok=True)
     changed = changed_runs(configs)
     if changed and not acfg.rerun_changed:

@@ -31,10 +31,11 @@ import torch.nn.functional as F
 import transformers
 
 import cwgrpo
-from cwgrpo_utils import BASES, checkpoints, loading, plots
+from cwgrpo_utils import checkpoints, loading, plots
 from cwgrpo_utils.cli import arg, parse_dataclasses
 from cwgrpo_utils.lm_head import squared_probability_mass
 from cwgrpo_utils.precision import Precision
+from cwgrpo_utils.presets import CPU_PRESETS
 from cwgrpo_utils.prompts import PromptStream
 from cwgrpo_utils.run_folder import append_record, keep_records_until, read_records
 from cwgrpo_utils.vllm_engine import Engine
@@ -109,28 +110,51 @@ def quantile_masks(values: torch.Tensor, parts: int) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def logp_and_squared_mass(model, rollout: cwgrpo.Rollout, cfg: cwgrpo.Config):
+def logp_and_squared_mass(model, rollout: cwgrpo.Rollout, cfg, run_cfg):
     """(N, T) log-probs and sum_v p_v^2 at each position (for ||onehot - p||^2 = 1 - 2 p_y +
     sum_v p_v^2), micro-batch by micro-batch."""
     logp, squared_mass = (torch.zeros_like(rollout.completion_mask) for _ in range(2))
     head = model.get_output_embeddings().weight
-    for block, part in rollout.micro_batches(cfg):
-        logp[block], _, hidden = cwgrpo.completion_logprobs(model, part, cfg)
-        valid = part.completion_mask.bool()
+    logprobs = cwgrpo.logprobs_of_run(run_cfg, cfg.group_size)
+    for block, rows in rollout.micro_batches(cwgrpo.micro_batch_rows(cfg, run_cfg)):
+        logp[block], _, hidden = logprobs(model, rows, cfg.temperature)
+        valid = rows.completion_mask.bool()
         squared_mass[block][valid] = squared_probability_mass(
-            hidden[valid], head, cfg.temperature, cfg.logit_chunk_elements
+            hidden[valid], head, cfg.temperature, run_cfg.logit_chunk_elements
         )
     return logp, squared_mass
 
 
-def quartile_gradients(model, rollout, cfg, autocast, quartiles: list[torch.Tensor]) -> dict:
+def step_gradient(model, rollout: cwgrpo.Rollout, cfg, run_cfg, autocast, scale=None) -> list:
+    """The gradient of the step's loss (its first update pass), summed into .grad micro-batch by
+    micro-batch as cwgrpo.py's loop sums it (scale: fp16's loss scaler's, where given), not
+    applied: it is measured. Only rollout.diagnose_tokens' tokens count where set. Returns each
+    micro-batch's (rows, loss, LossParts)."""
+    model.train()
+    logprobs = cwgrpo.logprobs_of_run(run_cfg, cfg.group_size)
+    n_tokens = int(rollout.completion_mask.sum().clamp(min=1))
+    out = []
+    for _, rows in rollout.micro_batches(cwgrpo.micro_batch_rows(cfg, run_cfg)):
+        with autocast():
+            logp, entropy, _ = logprobs(model, rows, cfg.temperature)
+            loss, parts = cwgrpo.policy_loss(
+                logp, entropy, rows, cfg, 0, n_responses=len(rollout.texts), n_tokens=n_tokens
+            )
+        (loss if scale is None else scale(loss)).backward()
+        out.append((rows, loss, parts))
+    return out
+
+
+def quartile_gradients(
+    model, rollout, cfg, run_cfg, autocast, quartiles: list[torch.Tensor]
+) -> dict:
     """L2 norm of the parameter gradient of the step's loss with only one quartile's tokens
     active (their PG and KL terms; the rest masked), and its cosine with the full gradient."""
 
-    def gradient(active: torch.Tensor) -> torch.Tensor:
+    def gradient(tokens: torch.Tensor) -> torch.Tensor:
         model.zero_grad(set_to_none=True)
-        cwgrpo.accumulate_gradients(
-            model, dataclasses.replace(rollout, active=active), cfg, autocast
+        step_gradient(
+            model, dataclasses.replace(rollout, diagnose_tokens=tokens), cfg, run_cfg, autocast
         )
         return torch.cat(
             [
@@ -156,15 +180,15 @@ def scatter_valid(flat: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def diagnose_rollout(model, rollout: cwgrpo.Rollout, cfg: cwgrpo.Config, autocast) -> dict:
+def diagnose_rollout(model, rollout: cwgrpo.Rollout, cfg, run_cfg, autocast) -> dict:
     """The papers' measurements on one scored rollout batch (ref_logp set when beta > 0), through
     the training loss. Restores the RNG and leaves no gradient: training goes on unchanged."""
     with checkpoints.rng_kept():
-        return measure_rollout(model, rollout, cfg, autocast)
+        return measure_rollout(model, rollout, cfg, run_cfg, autocast)
 
 
-def measure_rollout(model, rollout: cwgrpo.Rollout, cfg: cwgrpo.Config, autocast) -> dict:
-    logp, squared_mass = logp_and_squared_mass(model, rollout, cfg)
+def measure_rollout(model, rollout: cwgrpo.Rollout, cfg, run_cfg, autocast) -> dict:
+    logp, squared_mass = logp_and_squared_mass(model, rollout, cfg, run_cfg)
     mask, valid = rollout.completion_mask, rollout.completion_mask.bool()
     groups = [slice(i, i + cfg.group_size) for i in range(0, len(rollout.texts), cfg.group_size)]
     score = torch.cat(
@@ -204,6 +228,7 @@ def measure_rollout(model, rollout: cwgrpo.Rollout, cfg: cwgrpo.Config, autocast
             model,
             dataclasses.replace(rollout, ref_logp=rollout.ref_logp if beta else None),
             dataclasses.replace(cfg, beta=beta),
+            run_cfg,
             autocast,
             [scatter_valid(q, valid) for q in quartiles],
         )
@@ -223,13 +248,13 @@ def measure_rollout(model, rollout: cwgrpo.Rollout, cfg: cwgrpo.Config, autocast
     return report
 
 
-def diagnostics_markdown(report: dict, cfg: cwgrpo.Config, source: str) -> str:
+def diagnostics_markdown(report: dict, cfg: cwgrpo.Config, rollout: str, source: str) -> str:
     cut_names = [f"{100 * c:g}%" for c in CONCENTRATION_CUTOFFS]
     lines = [
         f"# Diagnostics of {source}",
         "",
         f"One rollout batch of `--preset {cfg.preset}`: {cfg.prompts_per_step} prompts x G = "
-        f"{cfg.group_size} sampled by `--rollout {cfg.rollout}`, {report['tokens']} valid tokens, "
+        f"{cfg.group_size} sampled by `--rollout {rollout}`, {report['tokens']} valid tokens, "
         f"method `{cfg.method}` for the gradients.",
         "",
         "## Covariance concentration",
@@ -328,19 +353,19 @@ TRAINING_ONLY = (
 def batch(argv: list) -> Path | None:
     """The diagnostics of one rollout batch sampled from --model with the run's settings."""
     prog = "python -m tools.diagnose batch"
-    cfg, bcfg = cwgrpo.parse_config(argv, BatchConfig, hidden=TRAINING_ONLY, prog=prog)
-    if cfg.plan:  # the memory a run's step needs: the batch's sampling and gradients, as here
-        return cwgrpo.train(cfg)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    device = loading.resolve_device(cfg.device, "" if cfg.preset in BASES else cfg.preset)
-    precision = Precision.choose(cfg.precision, device)
+    cfg, run_cfg, bcfg = cwgrpo.parse_config(argv, BatchConfig, hidden=TRAINING_ONLY, prog=prog)
+    if run_cfg.plan:  # the memory a run's step needs: the batch's sampling and gradients, as here
+        return cwgrpo.train(cfg, run_cfg)
+    if run_cfg.threads:
+        torch.set_num_threads(run_cfg.threads)
+    device = loading.resolve_device(run_cfg.device, "" if cfg.preset in CPU_PRESETS else cfg.preset)
+    precision = Precision.choose(run_cfg.precision, device)
     for path in filter(None, (cfg.model, bcfg.reference_model)):
         loading.check_model_path(path)
     transformers.utils.logging.disable_progress_bar()
     tokenizer = loading.load_tokenizer(cfg.model)
     model = loading.load_model(cfg.model, torch.float32, device)
-    if cfg.gradient_checkpointing:
+    if run_cfg.gradient_checkpointing:
         loading.enable_checkpointing(model)
     reference = None
     if cfg.beta > 0:
@@ -351,24 +376,24 @@ def batch(argv: list) -> Path | None:
         cfg.dataset, cfg.dataset_split, cfg.question_column, gold_column=cfg.gold_column
     )
     prompts = PromptStream(dataset, tokenizer, cfg)
-    engine = Engine.for_run(cfg, precision) if cfg.rollout == "vllm" else None
-    grader = cwgrpo.Grader(cfg.reward_timeout_s, cfg.reward_workers)
+    engine = Engine.for_run(cfg, run_cfg, precision) if run_cfg.rollout == "vllm" else None
+    grader = cwgrpo.Grader(cfg.reward_timeout_s, run_cfg.reward_workers)
     with autocast():
         batch_prompts = prompts.next_batch(cfg.prompts_per_step)
-        rollout = cwgrpo.sample(model, tokenizer, batch_prompts, cfg=cfg, engine=engine)
+        rollout = cwgrpo.sample(model, tokenizer, batch_prompts, cfg, run_cfg, engine=engine)
         cwgrpo.rollout_rewards(
             rollout,
             grader.map([(t, g, "default") for t, g in zip(rollout.texts, rollout.golds)]),
             cfg,
         )
         if reference is not None:
-            rollout.ref_logp = cwgrpo.policy_token_stats(reference, rollout, cfg)["logp"]
+            rollout.ref_logp = cwgrpo.policy_token_stats(reference, rollout, cfg, run_cfg)["logp"]
     grader.close()
-    report = diagnose_rollout(model, rollout, cfg, autocast)
+    report = diagnose_rollout(model, rollout, cfg, run_cfg, autocast)
     out = Path(bcfg.diagnostics_dir or Path(cfg.model) / "diagnostics")
     out.mkdir(parents=True, exist_ok=True)
     (out / "diagnostics.json").write_text(json.dumps(report, indent=1))
-    table = diagnostics_markdown(report, cfg, cfg.model)
+    table = diagnostics_markdown(report, cfg, run_cfg.rollout, source=cfg.model)
     (out / "diagnostics.md").write_text(table)
     print(f"{table}\nwritten: {out / 'diagnostics.md'} and {out / 'diagnostics.json'}")
     return out
@@ -377,21 +402,22 @@ def batch(argv: list) -> Path | None:
 def train(argv: list) -> None:
     """cwgrpo's training run, appending the diagnostics to diagnostics.jsonl every --every steps.
     The hook restores the RNG and the gradients, so the run's metrics are those of a plain run."""
-    cfg, tcfg = cwgrpo.parse_config(argv, TrainConfig, prog="python -m tools.diagnose train")
+    prog = "python -m tools.diagnose train"
+    cfg, run_cfg, tcfg = cwgrpo.parse_config(argv, TrainConfig, prog=prog)
     if not {"--output-dir", "--output_dir"} & {a.split("=")[0] for a in argv}:
-        cfg.output_dir = (
+        run_cfg.output_dir = (
             f"runs/diagnose-{cfg.method}-{cfg.preset}-seed{cfg.seed}"  # not a plain run's
         )
-    path = Path(cfg.output_dir) / "diagnostics.jsonl"
+    path = Path(run_cfg.output_dir) / "diagnostics.jsonl"
 
     def on_rollout(step, model, rollout, autocast):
         if step == 1 or step % tcfg.every == 0:  # the first batch too: first -> last
-            report = diagnose_rollout(model, rollout, cfg, autocast)
+            report = diagnose_rollout(model, rollout, cfg, run_cfg, autocast)
             append_record(path, {"rollout_step": step, **report})
 
-    if cfg.resume:
-        keep_records_until(path, resumed_step(Path(cfg.output_dir)))
-    return cwgrpo.train(cfg, on_rollout)
+    if run_cfg.resume:
+        keep_records_until(path, resumed_step(Path(run_cfg.output_dir)))
+    return cwgrpo.train(cfg, run_cfg, on_rollout)
 
 
 def resumed_step(output_dir: Path) -> int:

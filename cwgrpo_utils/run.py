@@ -1,0 +1,262 @@
+"""A cwgrpo.py run's machinery, everything around the algorithm: what it prints, its folder (lock,
+stop signals, resume, metrics.jsonl, trackers), the device, precision and threads, the memory
+phases, the records and progress, the skipped steps, the checkpoints, curves and token page.
+cwgrpo.py's training loop hands it each step in a few calls:
+
+    with Run(cfg, run_cfg) as run:              # checked, locked, its header printed
+        run.start(grader)                           # run_config.json; records kept on resume
+        start = run.begin(optimizer, scheduler, scaler=..., prompts=..., updates_per_step=...)
+        with run.phase("sampling", step): ...       # out of memory: one line and the lever
+        run.rollout_scored(step, model=..., rollout=...)  # the token page, a tool's hook
+        run.log_update(step, update_index, update_pass, figures, finite)  # a metrics.jsonl line
+        run.end_step(step, model, tokenizer)        # progress; a checkpoint when due
+        run.finish(model, tokenizer)                # the final model
+    print(run.summary())
+"""
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from cwgrpo_utils import REPOSITORY, checkpoints, lora, memory_plan, plots, preset_models, tiny
+from cwgrpo_utils.cli import command, shown_path
+from cwgrpo_utils.loading import check_model_path, resolve_device
+from cwgrpo_utils.memory_plan import OutOfMemory, PlanOptions
+from cwgrpo_utils.metrics import GRADING_PROBLEMS
+from cwgrpo_utils.precision import Precision, SkippedSteps
+from cwgrpo_utils.presets import CPU_PRESETS, GPU_PRESETS, final_model_evaluation
+from cwgrpo_utils.run_config import RunConfig
+from cwgrpo_utils.run_folder import Progress, RunFolder, read_records
+from cwgrpo_utils.token_page import TokenPage
+
+
+class Run:
+    """One training run of cwgrpo.py's cfg (the algorithm's Config) and run_cfg (RunConfig). Made,
+    it has chosen the device, precision and thread count and printed the run's header; entered, it
+    holds the folder's lock and has checked the model (a CPU preset's built on first use, its fit
+    on the GPU against the plan)."""
+
+    def __init__(self, cfg, run_cfg: RunConfig):
+        self.cfg, self.run_cfg = cfg, run_cfg
+        self.started = time.perf_counter()
+        gpu_recipe = "" if cfg.preset in CPU_PRESETS else cfg.preset
+        self.device = resolve_device(run_cfg.device, gpu_recipe)
+        self.precision = Precision.choose(run_cfg.precision, self.device)  # by the card
+        torch.set_num_threads(run_cfg.threads or torch.get_num_threads())
+        print(run_header(cfg, run_cfg, self.precision.reason), flush=True)
+        plots.pyplot()  # fail now, not at the first checkpoint, if matplotlib is missing
+        self.folder = RunFolder.for_run(cfg, run_cfg)
+        self.hooks = []
+
+    @staticmethod
+    def plan(cfg, run_cfg: RunConfig) -> str:
+        """--plan's text: the memory and disk the run needs, before anything loads."""
+        tiny.build_if_missing(cfg.model)
+        return memory_plan.report(cfg.model, PlanOptions.of(cfg, run_cfg))
+
+    def __enter__(self) -> "Run":
+        self.folder.__enter__()  # locked against a second run; a resume's checkpoint checked
+        try:
+            model = preset_models.ready(self.cfg.model, self.cfg.dataset)
+            self.cfg = dataclasses.replace(self.cfg, model=model)
+            if self.device.type == "cuda":  # before anything loads: a run that cannot fit stops
+                memory_plan.check_fit_on_gpu(
+                    self.cfg.model, PlanOptions.of(self.cfg, self.run_cfg), self.gpu_recipes()
+                )
+            check_model_path(self.cfg.model)
+        except BaseException as error:
+            self.folder.__exit__(type(error), error, error.__traceback__)
+            raise
+        return self
+
+    def __exit__(self, *exc_info):
+        self.folder.__exit__(*exc_info)
+
+    def gpu_recipes(self) -> dict:
+        """Each GPU preset as the (Config, RunConfig) pair it makes: the advice a run that does
+        not fit its card gets names those that would."""
+        run_fields = {f.name for f in dataclasses.fields(RunConfig)}
+        pairs = {}
+        for name, values in GPU_PRESETS.items():
+            algorithm = {k: v for k, v in values.items() if k not in run_fields}
+            run = {k: v for k, v in values.items() if k in run_fields}
+            pairs[name] = (type(self.cfg)(preset=name, **algorithm), RunConfig(**run))
+        return pairs
+
+    @property
+    def path(self) -> Path:
+        return self.folder.path
+
+    @property
+    def resume_from(self) -> Path | None:
+        return self.folder.resume_from
+
+    @property
+    def weights(self) -> str:
+        """Where the policy's weights load from: the checkpoint resumed from, or the model."""
+        return str(self.resume_from or self.cfg.model)
+
+    def finished(self) -> bool:
+        """A resumed run that has done its steps says so (and the loop has nothing to do)."""
+        return self.folder.finished(self.cfg.steps)
+
+    def start(self, grader) -> None:
+        """run_config.json with what the run used, and on resume the records after its checkpoint
+        dropped; then it says what it loads."""
+        self.folder.start(
+            torch_threads=torch.get_num_threads(),
+            reward_workers_used=grader.size,
+            precision_used=self.precision.reason,
+        )
+        print(f"loading {shown_path(self.weights)} ...", flush=True)
+
+    def show_tokens(self, tokenizer, methods: dict, weigh, hook=None) -> None:
+        """tokens.html at the first and last steps (token_page.py; weigh: every method's weights
+        of a batch's rows), and a tool's hook, each called with every scored rollout batch."""
+        page = TokenPage(self.folder, self.cfg, tokenizer, methods=methods, weigh=weigh)
+        self.hooks = [page] if hook is None else [page, hook]
+
+    def begin(self, optimizer, scheduler, scaler, prompts, updates_per_step: int) -> int:
+        """The rollout steps done before this start: a resumed run's checkpoint step, with the
+        optimizer, schedule, loss scaler, skipped steps, RNG states and the prompts' position as it
+        saved them; 0 for a new run."""
+        self.skipped = SkippedSteps(self.run_cfg.max_skipped_steps)  # non-finite gradients
+        self.stateful = dict(optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+        self.stateful["skipped"] = self.skipped
+        self.scaler, self.prompts, self.updates_per_step = scaler, prompts, updates_per_step
+        start = 0
+        if self.resume_from is not None:
+            state = checkpoints.restore(self.resume_from, self.stateful)
+            start = state["step"]
+            prompts.position = state["data_position"]
+        self.memory = OutOfMemory(
+            self.cfg.model, PlanOptions.of(self.cfg, self.run_cfg), self.folder.path
+        )
+        self.progress = Progress(
+            start, self.cfg.steps, label=self.cfg.method, every=self.run_cfg.log_every
+        )
+        self.clock = time.perf_counter()  # what a step's phases took, for metrics.jsonl
+        return start
+
+    def phase(self, name: str, step: int):
+        """A context in which running out of GPU memory stops the run in one line: the phase and
+        step, the plan's peak there, the option that lowers it, and the command that resumes."""
+        return self.memory.phase(name, step)
+
+    def rollout_scored(self, step: int, model, rollout) -> None:
+        """A scored rollout batch, before its update: its time, then the hooks."""
+        self.rollout, self.rollout_s = rollout, time.perf_counter() - self.clock
+        for hook in self.hooks:
+            hook(step=step, model=model, rollout=rollout, autocast=self.precision.autocast)
+        self.clock = time.perf_counter()
+
+    def log_update(self, step: int, update_index: int, update_pass: int, figures, finite) -> None:
+        """An optimizer step's line of metrics.jsonl (and the trackers'), from the rollout's and
+        the update's figures; after --max-skipped-steps non-finite ones in a row, the run stops."""
+        update_s = time.perf_counter() - self.clock
+        self.skipped.count(finite)
+        tokens = self.rollout.completion_mask.sum().item()
+        self.record = {
+            "step": (step - 1) * self.updates_per_step + update_index + 1,
+            "rollout_step": step,
+            "update_pass": update_pass,
+            **figures,
+            "skipped_steps": self.skipped.total,
+            "prompts_skipped": self.prompts.skipped,
+            "rollout_s": self.rollout_s,
+            "update_s": update_s,
+            "time": time.time(),
+            "tokens_per_s": tokens / (self.rollout_s + update_s),
+        }
+        if self.scaler.is_enabled():
+            self.record["loss_scale"] = self.scaler.get_scale()
+        self.folder.log(self.record)
+        self.skipped.stop_if_too_many(self.folder, self.record)
+        self.clock = time.perf_counter()
+
+    def end_step(self, step: int, model, tokenizer) -> None:
+        """The progress bar (the step's last record); a checkpoint and the curves every
+        --save-every steps, after the last, and after Ctrl-C or SIGTERM, when the run then stops."""
+        self.progress.step(self.record)
+        if (
+            step % self.run_cfg.save_every == 0
+            or step == self.cfg.steps
+            or self.folder.stop.requested
+        ):
+            position = self.prompts.position
+            state = checkpoints.trainer_state(self.stateful, step, data_position=position)
+            self.folder.save(step, model, tokenizer, state)
+            title = f"{self.cfg.method} on {self.cfg.model}, seed {self.cfg.seed}"
+            plots.draw_curves(self.folder.path, title)
+        self.folder.stop_if_requested(step)  # after a Ctrl-C or SIGTERM: with that checkpoint
+        self.clock = time.perf_counter()
+
+    def finish(self, model, tokenizer) -> None:
+        """The final model: the trained one, or under LoRA the base with the adapter merged."""
+        self.progress.close()
+        final = lora.merged_model(model)
+        checkpoints.save_checkpoint(self.path, "final-model", model=final, tokenizer=tokenizer)
+
+    def summary(self) -> str:
+        return run_summary(self.path, time.perf_counter() - self.started, self.cfg.preset)
+
+
+def run_header(cfg, run_cfg: RunConfig, precision: str) -> str:
+    """What a run is about to do, in two lines, from its options and its precision (and why)."""
+    model, data = shown_path(cfg.model), shown_path(cfg.dataset)
+    header = f"cwgrpo: --method {cfg.method} on {model}, data {data}\n  "
+    header += f"{cfg.prompts_per_step} prompts x G = {cfg.group_size} per step, {cfg.steps} steps, "
+    header += f"beta {cfg.beta:g}, lr {cfg.learning_rate:g}, temperature {cfg.temperature:g}; "
+    return header + f"{precision}; output {run_cfg.output_dir}"
+
+
+SUMMARY_KEYS = ("reward_mean", "accuracy_mean", "format_mean", "entropy_mean", "kl_mean")
+
+
+def run_summary(output_dir: Path, wall_s: float, preset: str) -> str:
+    """What a run did, in a few lines: first -> last 10% of each curve (the format's only where the
+    reward counts it), its wall time, where its checkpoints, final model and pictures are, and the
+    command that evaluates its final model (on a CPU preset's own held-out set)."""
+    evaluate_command = command(
+        str(REPOSITORY / "evaluate.py"), final_model_evaluation(output_dir, preset)
+    )
+    records = read_records(output_dir / "metrics.jsonl")
+    options = json.loads((output_dir / "run_config.json").read_text())
+    out = [
+        f"done in {wall_s:.0f} s; first -> last 10% of {len(records)} steps "
+        f"(completions sampled at temperature {options['temperature']:g}):"
+    ]
+    for key in SUMMARY_KEYS:
+        first, last = plots.first_to_last(records, key)
+        if key == "format_mean" and not options["format_weight"]:
+            out.append("  format    not rewarded (--format-weight 0)")
+            continue
+        out.append(f"  {key.removesuffix('_mean'):9s} {first:8.3f} -> {last:.3f}")
+    batches = {r["rollout_step"]: r for r in records}.values()  # a batch's grades, counted once
+    problems = {what: sum(r.get(key, 0) for r in batches) for key, what in GRADING_PROBLEMS.items()}
+    if any(problems.values()):
+        counts = ", ".join(f"{n} {what}" for what, n in problems.items() if n)
+        out.append(f"  grading: {counts} (scored 0)")
+    skipped = records[-1].get("skipped_steps", 0)  # records before the count was kept have none
+    if skipped:
+        scale = (
+            f"; loss scale now {records[-1]['loss_scale']:g}" if "loss_scale" in records[-1] else ""
+        )
+        out.append(
+            f"  skipped: {skipped} of {len(records)} optimizer steps, their gradient not finite "
+            f"(no weight changed){scale}"
+        )
+    kept = sorted(checkpoints.checkpoints(output_dir), key=checkpoints.checkpoint_step)
+    return "\n".join(
+        out
+        + [
+            f"checkpoints: {', '.join(map(str, kept))}",
+            f"final model: {output_dir / 'final-model'}",
+            f"pictures:    {output_dir / 'curves.png'} and {output_dir / 'tokens.html'}",
+            f"evaluate it: {evaluate_command} (at evaluate.py's own --temperature, which its "
+            "results state)",
+        ]
+    )
