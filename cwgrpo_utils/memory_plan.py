@@ -11,8 +11,13 @@ Every item is counted, not guessed (the tests compare each with real allocations
   layer's norms, projections, rotary embedding, attention with its log-sum-exp, and MLP), or with
   gradient checkpointing only each layer's input, plus one layer's worth recomputed in backward;
 - the LM head's chunks of logits (lm_head.py) and, without a fused AdamW, its foreach temporaries;
-- with --rollout vllm, no KV cache of ours: the engine holds --vllm-gpu-memory-utilization of the
-  card while it samples (its bf16 weights and its KV cache) and sleeps, holding none, in the update.
+- with --rollout vllm, no KV cache of ours: the engine holds, while it samples, its bf16 weights,
+  its CUDA graphs (CUDA_GRAPHS) and a KV cache pinned in bytes (engine_memory: every row of the
+  step at its longest, or what --vllm-gpu-memory-utilization of the card leaves, but at least one
+  group);
+  in the update it sleeps, holding none (its graphs offloaded to the CPU), and sets no cap on the
+  memory the trainer beside it may take;
+- with LoRA and --rollout vllm, one adapted layer's merge at a time while the weights are pushed.
 
 bf16 and fp16 hold the same bytes, so the figures are those of either; --precision fp32 on a GPU
 holds its reference and KV cache in fp32 and casts no weight. A run that runs out of memory all
@@ -55,6 +60,9 @@ CARDS = (
 GPU_SIZES_GB = tuple(sorted({size for _, size, _ in CARDS}))
 USABLE = 0.92  # of a card's memory, after the CUDA context and the allocator's fragmentation
 GB = 1e9
+# What the vLLM engine's captured CUDA graphs hold while it samples, counted at the most (they take
+# 0.2-1 GB at these sizes); asleep, the engine offloads them to the CPU (vllm_engine.py)
+CUDA_GRAPHS = 1 * GB
 
 
 @dataclass
@@ -233,14 +241,19 @@ def plan(model: str, options: PlanOptions, cuda: bool = True) -> dict:
         * min(options.logit_chunk_elements or math.inf, tokens * arch.vocab),
     }
     engine_share = options.engine_share
-    if engine_share:  # the engine's own: its share of the card, counted per card by fits()
+    if engine_share:  # the engine's own, counted per card (engine_memory)
         items["KV cache"] = 0
+        if rank:  # a push merges one adapted layer at a time: the fp32 delta and sum, the cast
+            items["LoRA push (one layer merged)"] = max(
+                n_in * n_out * (4 + 4 + half) for n_in, n_out in arch.adapted(targets)
+            )
     resident = sum(weights.values()) + items["AdamW moments (fp32)"] + items["reference"]
     phases = {
         "rollout": resident
         + items["autocast weight copies (bf16)"] * (not engine_share)
         + items["KV cache"]
-        + options.sampled_rows * arch.vocab * 4 * 3 * (not engine_share),  # logits, probs, CDF
+        + options.sampled_rows * arch.vocab * 4 * 3 * (not engine_share)  # logits, probs, CDF
+        + items.get("LoRA push (one layer merged)", 0),
         "update": resident
         + items["gradients (fp32)"]
         + items["autocast weight copies (bf16)"]
@@ -255,9 +268,12 @@ def plan(model: str, options: PlanOptions, cuda: bool = True) -> dict:
         "phases": phases,
         "peak": max(phases.values()),
         "engine_share": engine_share,
-        "engine_weights": 2 * n if engine_share else 0,  # bf16, within the engine's share
+        # the engine's weights in its dtype, and its KV cache of one row at its longest
+        "engine_weights": half * n if engine_share else 0,
+        "engine_row_kv": positions * arch.layers * 2 * arch.kv_width * half,
         "disk": disk(n, trained, options, half),
         "rows": options.rows,
+        "group_size": options.group_size,
         "positions": positions,
     }
 
@@ -334,21 +350,42 @@ def disk(n: int, trained: int, options: PlanOptions, half: int = 4) -> dict:
     return {"checkpoint": weights + moments, "run": kept * weights + moments + final, "kept": kept}
 
 
+def engine_memory(p: dict, card_bytes: float) -> dict:
+    """The vLLM engine's bytes while it samples on a card of card_bytes (all 0 without one): its
+    weights, its CUDA graphs, and the KV cache it is given in bytes (kv_cache_memory_bytes): every
+    row of the step at its longest, or what its share of the card leaves after weights and graphs,
+    whichever is less ("group": what one group's G rows need, the least it must hold)."""
+    if not p["engine_share"]:
+        return {"weights": 0, "graphs": 0, "kv_cache": 0, "group": 0, "total": 0}
+    kv_cache = engine_kv_cache(
+        p["engine_row_kv"], p["rows"], p["engine_weights"], p["engine_share"], card_bytes
+    )
+    out = {"weights": p["engine_weights"], "graphs": CUDA_GRAPHS, "kv_cache": kv_cache}
+    return out | {"group": p["group_size"] * p["engine_row_kv"], "total": sum(out.values())}
+
+
+def engine_kv_cache(row_kv: int, rows: int, weights: int, share: float, card_bytes: float) -> int:
+    """The bytes of KV cache the vLLM engine is given on a card (vllm_engine.py pins it): `rows`
+    rows of row_kv bytes each, or what `share` of card_bytes leaves after its weights and CUDA
+    graphs, whichever is less."""
+    return int(max(0, min(rows * row_kv, share * card_bytes - weights - CUDA_GRAPHS)))
+
+
 def holds(p: dict, card_bytes: float, free_bytes: float | None = None) -> bool:
     """Whether a card of card_bytes (free_bytes of it free, else USABLE of it) holds the plan p:
-    every phase, the rollout's beside the vLLM engine's share of the whole card, which must also
-    hold the engine's weights with room for a KV cache."""
+    every phase, the rollout's beside the vLLM engine, whose share of the card must leave it a KV
+    cache of at least one group."""
     usable = USABLE * card_bytes if free_bytes is None else free_bytes
-    engine = p["engine_share"] * card_bytes
-    if engine and engine < 1.5 * p["engine_weights"]:
+    engine = engine_memory(p, card_bytes)
+    if engine["kv_cache"] < engine["group"]:
         return False
     return needed(p, card_bytes) <= usable
 
 
 def needed(p: dict, card_bytes: float) -> float:
     """The bytes the plan p needs at once on a card of card_bytes: its peak, or its rollout
-    phase beside the vLLM engine's share of the card."""
-    return max(p["peak"], p["phases"]["rollout"] + p["engine_share"] * card_bytes)
+    phase beside the vLLM engine while it samples."""
+    return max(p["peak"], p["phases"]["rollout"] + engine_memory(p, card_bytes)["total"])
 
 
 def fits(p: dict) -> tuple[list[int], list[int]]:
@@ -393,9 +430,12 @@ def report(model: str, options: PlanOptions) -> str:
     lines += [f"  {name:32s} {size / GB:8.2f} GB" for name, size in p["items"].items() if size]
     lines += [f"  peak in {name:24s} {size / GB:8.2f} GB" for name, size in p["phases"].items()]
     if p["engine_share"]:
+        kv_cache = p["rows"] * p["engine_row_kv"]
         lines.append(
-            f"  vLLM engine while sampling: {p['engine_share']:.0%} of the card, its bf16 weights "
-            f"{p['engine_weights'] / GB:.2f} GB and KV cache within it; asleep in the update"
+            f"  vLLM engine while sampling, within {p['engine_share']:.0%} of the card: its "
+            f"weights {p['engine_weights'] / GB:.2f} GB, CUDA graphs up to {CUDA_GRAPHS / GB:.0f} "
+            f"GB, a KV cache of up to {kv_cache / GB:.2f} GB (every row at its longest); asleep "
+            "in the update, holding none"
         )
     d = p["disk"]
     lines.append(
@@ -442,6 +482,14 @@ def what_fits(model: str, options: PlanOptions, card: tuple, recipes: dict) -> s
     of one of cwgrpo's presets) of the same model that fit, else of any; and the fewest of the
     run's own levers that fit."""
     total, free = card
+    share = engine_share_that_fits(plan(model, options), total, free)
+    if share is not None:  # the engine's share is what does not fit: the one that does
+        p = plan(model, dataclasses.replace(options, vllm_gpu_memory_utilization=share))
+        engine = engine_memory(p, total)["total"]
+        return (
+            f"--vllm-gpu-memory-utilization {share:.2f} fits (the engine {engine / GB:.1f} GB "
+            f"while it samples; the trainer {p['peak'] / GB:.1f} GB at its peak while it sleeps)"
+        )
     plans = {name: plan(pair[0].model, PlanOptions.of(*pair)) for name, pair in recipes.items()}
     fitting = [(name, needed(p, total)) for name, p in plans.items() if holds(p, total, free)]
     same = [(name, size) for name, size in fitting if recipes[name][0].model == model]
@@ -461,22 +509,44 @@ def what_fits(model: str, options: PlanOptions, card: tuple, recipes: dict) -> s
     return "; ".join(found) or "nothing short of a larger card"
 
 
+def engine_share_that_fits(p: dict, total: float, free: float) -> float | None:
+    """The least --vllm-gpu-memory-utilization, in steps of 0.05, at which the plan p holds a card
+    of total bytes, free of them free; None without an engine, or where no share does."""
+    if not p["engine_share"]:
+        return None
+    shares = [hundredths / 100 for hundredths in range(5, 100, 5)]
+    return next((s for s in shares if holds(p | {"engine_share": s}, total, free)), None)
+
+
 def check_fit(
     model: str, options: PlanOptions, free_bytes: int, total_bytes: int, recipes: dict | None = None
 ) -> None:
     """Stop before loading when the plan does not fit the GPU's free memory (its total sizes the
-    vLLM engine's share): one line naming the largest items, and the presets (recipes: name -> its
-    Config) or the fewest flags that fit this card."""
+    vLLM engine's share): one line naming what does not fit (the largest items, or the engine's
+    share too small for a group's KV cache), and the engine share, the presets (recipes: name ->
+    its (Config, RunConfig)) or the fewest flags that fit this card."""
     p = plan(model, options)
     if holds(p, total_bytes, free_bytes):
         return
-    largest = sorted(p["items"].items(), key=lambda item: -item[1])[:3]
-    named = ", ".join(f"{name} {size / GB:.1f} GB" for name, size in largest)
+    engine = engine_memory(p, total_bytes)
     fit = what_fits(model, options, (total_bytes, free_bytes), recipes or {})
+    if engine["kv_cache"] < engine["group"]:
+        share = p["engine_share"]
+        problem = (
+            f"--vllm-gpu-memory-utilization {share:.2f} gives the vLLM engine "
+            f"{share * total_bytes / GB:.1f} GB of this {total_bytes / GB:.1f} GB card, which "
+            f"leaves its KV cache {engine['kv_cache'] / GB:.2f} GB beside its weights and CUDA "
+            f"graphs, less than one group's {engine['group'] / GB:.2f} GB"
+        )
+    else:
+        largest = sorted(p["items"].items(), key=lambda item: -item[1])[:3]
+        named = ", ".join(f"{name} {size / GB:.1f} GB" for name, size in largest)
+        problem = (
+            f"this run needs about {needed(p, total_bytes) / GB:.1f} GB and the GPU has "
+            f"{free_bytes / GB:.1f} GB free (largest: {named})"
+        )
     raise SystemExit(
-        f"error: this run needs about {needed(p, total_bytes) / GB:.1f} GB and the GPU has "
-        f"{free_bytes / GB:.1f} GB free (largest: {named}); on this card: {fit}; "
-        f"python cwgrpo.py ... --plan shows the whole plan"
+        f"error: {problem}; on this card: {fit}; python cwgrpo.py ... --plan shows the whole plan"
     )
 
 

