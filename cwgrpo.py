@@ -405,12 +405,13 @@ def format_reward(completion: str) -> float:
 
 
 class Grader(CachedTimeoutPool):
-    """grade_accuracy in worker processes under a hard time limit (cwgrpo_utils/grading_pool.py),
-    cached since grading is pure; workers 0: one per core, at most 8."""
+    """grade_accuracy (or another grade of the same signature: evaluate.py's paper protocol's) in
+    worker processes under a hard time limit (cwgrpo_utils/grading_pool.py), cached since grading
+    is pure; workers 0: one per core, at most 8."""
 
-    def __init__(self, timeout_s: float = 10.0, workers: int = 1):
+    def __init__(self, timeout_s: float = 10.0, workers: int = 1, grade: Callable = grade_accuracy):
         workers = workers or min(8, os.cpu_count() or 1)
-        super().__init__(grade_accuracy, workers, timeout_s, on_timeout=Grade(0.0, True, True))
+        super().__init__(grade, workers, timeout_s, on_timeout=Grade(0.0, True, True))
 
     def grade(self, completion: str, gold: str, gold_format: str = "default") -> Grade:
         return self.map([(completion, gold, gold_format)])[0]

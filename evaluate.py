@@ -6,8 +6,9 @@
     python evaluate.py --checkpoints "runs/x/checkpoint-*"      # the checkpoint-stability table
     python evaluate.py --model PATH --n 16 --engine vllm        # the same, sampled by vLLM
 
-Benchmarks, prompt and sampling follow docs/math.md, "Evaluation"; grading is cwgrpo.py's
-math-verify reward, with the gold parsed as an expression or as LaTeX per benchmark.
+Benchmarks, prompt and sampling follow docs/math.md, "Evaluation". --protocol paper grades as the
+paper's table was graded (lighteval's extractive match, grade_paper below); --protocol robust with
+cwgrpo.py's training reward, stricter (docs/evaluation.md, "Grading": each difference).
 """
 
 import sys
@@ -41,7 +42,9 @@ class EvalConfig:
     prompt_template: str = arg(EVAL_PROMPT, "user message, {question} where the problem goes")
     system_prompt: str = arg("", "system message; empty: none of ours (as the paper's evaluation)")
     protocol: Literal["robust", "paper"] = arg(
-        "robust", "paper: 1 sample per problem, a fixed seed; robust: --n samples, avg@n"
+        "robust",
+        "paper: 1 sample per problem, graded as lighteval did; robust: --n samples, avg@n, graded "
+        "by the training reward",
     )
     n: int = arg(8, "samples per problem under the robust protocol", "> 0")
     temperature: float = arg(0.6, "sampling temperature (the paper: 0.6)", "> 0")
@@ -90,11 +93,14 @@ from typing import NamedTuple
 
 import torch
 import transformers
+from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+from sympy import Basic, Rational, UnevaluatedExpr
 from tqdm import tqdm
 
 import cwgrpo
 from cwgrpo_utils import loading, plots, preset_models
 from cwgrpo_utils.checkpoints import checkpoint_step
+from cwgrpo_utils.grading_pool import LogCounter
 from cwgrpo_utils.precision import Precision
 from cwgrpo_utils.prompts import chat_prompt_ids
 from cwgrpo_utils.vllm_engine import Engine
@@ -134,6 +140,68 @@ PUBLISHED = [
     ("7B GRPO", [10.0, 82.2, 55.0, 33.1, 40.3, 44.1]),
     ("7B CW-GRPO", [13.3, 82.8, 62.5, 32.0, 42.7, 46.7]),
 ]
+
+
+# The paper's grading: lighteval's extractive-match metric as Open-RS's evaluation configured it
+# (lighteval at commit ed084813, Feb 2025: a benchmark's gold as an expression or as LaTeX, the
+# prediction as either, boxed first, any match, five decimals), through math-verify's parser, which
+# was split out of it, with what the versions it pinned read otherwise (last_boxes, percent_valued)
+PAPER_GOLD = {
+    "expr": [ExprExtractionConfig()],
+    "latex": [LatexExtractionConfig()],
+    "default": [LatexExtractionConfig(), ExprExtractionConfig()],
+}
+PAPER_PREDICTION = [ExprExtractionConfig(), LatexExtractionConfig(boxed_match_priority=0)]
+BOX = re.compile(r"\\(?:boxed|fbox)\s*{")
+BOX_SEPARATOR = re.compile(r"^\s*(?:and|or|,)\s*$")
+PERCENT = UnevaluatedExpr(Rational(1, 100))  # how latex2sympy2_extended writes X% (X * 1/100)
+
+
+def grade_paper(completion: str, gold: str, gold_format: str) -> cwgrpo.Grade:
+    """1.0 if lighteval's extractive match, as the paper's evaluation ran it, finds the completion's
+    answer equal to the gold: any of its matches, an expression anywhere (the last number of an
+    unfinished completion too) or LaTeX, boxed first; an unparseable gold compared as its text."""
+    cutoffs = LogCounter.installed("math_verify", "Timeout during")
+    before = cutoffs.count
+    modes = dict(fallback_mode="first_match", extraction_mode="any_match")
+    try:
+        gold_parsed = parse(gold, PAPER_GOLD[gold_format], **modes)
+        prediction = parse(last_boxes(completion), PAPER_PREDICTION, **modes)
+        golds = percent_valued(gold_parsed or [gold])
+        accuracy = float(verify(golds, percent_valued(prediction), float_rounding=5))
+    except Exception:  # noqa: BLE001 - a failure inside the grader is a wrong answer
+        gold_parsed, accuracy = [gold], 0.0
+    return cwgrpo.Grade(accuracy, bool(gold_parsed), cutoffs.count > before)
+
+
+def last_boxes(text: str) -> str:
+    """text with only its last box left boxed, or its last boxes where nothing but "and", "or" or
+    a comma stands between them: how latex2sympy2_extended 1.0.6 (the paper's) reads several
+    boxes; 1.11 (math-verify 0.9's) makes a set of boxes 70 characters apart, as \\boxed{7},
+    then \\boxed{42}. The earlier boxes keep their braces and content."""
+    boxes = [(m.start(), m.end(), closing_brace(text, m.end() - 1)) for m in BOX.finditer(text)]
+    kept = len(boxes) - 1
+    while kept > 0 and BOX_SEPARATOR.match(text[boxes[kept - 1][2] + 1 : boxes[kept][0]]):
+        kept -= 1
+    for start, brace, _ in reversed(boxes[:kept]):  # unbox from the right: positions stay valid
+        text = text[:start] + text[brace - 1 :]
+    return text
+
+
+def closing_brace(text: str, opening: int) -> int:
+    """The position of the brace that closes the one at `opening` (the text's end if none)."""
+    depth = 0
+    for i in range(opening, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return i
+    return len(text)
+
+
+def percent_valued(parsed: list) -> list:
+    """Parsed answers with X% valued X/100, as lighteval and math-verify 0.5.2 compare them; math-
+    verify 0.9 holds 25% equal to 25."""
+    return [p.xreplace({PERCENT: Rational(1, 100)}) if isinstance(p, Basic) else p for p in parsed]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -184,7 +252,8 @@ def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path) -> dict:
     longest = max((len(prompt) for prompts in prompts_of for prompt in prompts), default=0)
     generate = sampler(model_path, tokenizer, cfg, precision, n=n, longest_prompt=longest)
     output_dir.mkdir(parents=True, exist_ok=True)  # once the benchmarks and the model have loaded
-    grader = cwgrpo.Grader(cfg.reward_timeout_s, cfg.reward_workers)
+    grade = grade_paper if cfg.protocol == "paper" else cwgrpo.grade_accuracy
+    grader = cwgrpo.Grader(cfg.reward_timeout_s, cfg.reward_workers, grade=grade)
     results = {}
     for (name, bench, problems), prompts in zip(benchmarks, prompts_of):
         progress_path = output_dir / f"{name}.jsonl"

@@ -48,7 +48,7 @@ def save_checkpoint(
         shutil.rmtree(partial, ignore_errors=True)
         raise SystemExit(
             f"error: could not write {final} ({error.strerror or error}); "
-            f"{kept_checkpoint(output_dir)}; free space and resume with: {resume_command()}"
+            f"{how_to_continue(output_dir, 'free space and ')}"
         ) from None
     shutil.rmtree(final, ignore_errors=True)
     os.replace(partial, final)
@@ -152,14 +152,20 @@ def check_free_disk(output_dir: Path, name: str, model) -> None:
     if free < needed:
         raise SystemExit(
             f"error: {output_dir / name} needs about {needed / 1e9:.2f} GB and "
-            f"{free / 1e9:.2f} GB are free; {kept_checkpoint(output_dir)}; free space and resume "
-            f"with: {resume_command()}"
+            f"{free / 1e9:.2f} GB are free; {how_to_continue(output_dir, 'free space and ')}"
         )
 
 
-def kept_checkpoint(output_dir: Path) -> str:
+def how_to_continue(output_dir: Path, first: str = "", flag: str = "") -> str:
+    """How a run that stopped goes on, the end of its one line: its newest checkpoint, intact, and
+    the command that resumes from it; before its first checkpoint, the command that starts it
+    afresh (--resume would find nothing to resume and be refused). `first` is what to do before
+    it ("free space and "), `flag` an option the command adds ("--rollout-chunk 4")."""
     latest = latest_checkpoint(output_dir)
-    return f"{latest} is intact" if latest else "no checkpoint was written yet"
+    if latest is None:
+        again = command_with("--overwrite-output-dir", flag)
+        return f"no checkpoint was written yet; {first}start afresh with: {again}"
+    return f"{latest} is intact; {first}resume with: {command_with('--resume', flag)}"
 
 
 def rng_states() -> dict:
@@ -192,5 +198,11 @@ def rng_kept():
 
 def resume_command() -> str:
     """The command line that continues this run: the same arguments, with --resume."""
+    return command_with("--resume")
+
+
+def command_with(*options: str) -> str:
+    """This run's command line without --resume and --overwrite-output-dir, with options added
+    (each one word or more: "--rollout-chunk 4"; empty ones left out)."""
     kept = [a for a in sys.argv[1:] if a not in ("--resume", "--overwrite-output-dir")]
-    return cli.command(None, [*kept, "--resume"])
+    return cli.command(None, [*kept, *(word for option in options for word in option.split())])

@@ -559,8 +559,9 @@ def check_fit_on_gpu(model: str, options: PlanOptions, recipes: dict) -> None:
 class OutOfMemory:
     """Running out of GPU memory in a phase of a run's step, turned into one line: the phase and
     the step, the plan's peak for it, the option that lowers it with the plan's figure for what
-    it shrinks, the newest checkpoint (intact) and the command that resumes with that option (a
-    resume may change the memory options, not the recipe)."""
+    it shrinks, the newest checkpoint (intact) and the command that resumes with that option, or
+    before the first checkpoint the command that starts afresh with it (a resume may change the
+    memory options, not the recipe)."""
 
     def __init__(self, model: str, options: PlanOptions, output_dir: Path):
         self.model, self.options, self.output_dir = model, options, Path(output_dir)
@@ -601,10 +602,8 @@ class OutOfMemory:
         elif name != "the optimizer step":
             limit = self.options.max_completion_length
             advice += f", or a new run with --max-completion-length below {limit}"
-        latest = checkpoints.latest_checkpoint(self.output_dir)
-        kept = f"{latest} is intact" if latest else "no checkpoint was written yet"
-        resume = f"{checkpoints.resume_command()} {flag}".rstrip()
+        go_on = checkpoints.how_to_continue(self.output_dir, flag=flag)
         return (
             f"error: out of GPU memory in {name} at step {step} (the plan's peak there: "
-            f"{p['phases'][phase] / GB:.1f} GB); {advice}; {kept}; resume with: {resume}"
+            f"{p['phases'][phase] / GB:.1f} GB); {advice}; {go_on}"
         )

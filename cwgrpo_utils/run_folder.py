@@ -94,10 +94,8 @@ class RunFolder:
             self.trackers.close()
         self.held.__exit__(*exc_info)
         if exc_info[0] is KeyboardInterrupt:  # a second stop signal, mid-step
-            message = (
-                "interrupted: the step under way is lost; resume from the last checkpoint with"
-            )
-            raise SystemExit(f"{message}: {checkpoints.resume_command()}") from None
+            lost = "interrupted: the step under way is lost"
+            raise SystemExit(f"{lost}; {checkpoints.how_to_continue(self.path)}") from None
 
     def finished(self, steps: int) -> bool:
         """A resumed run that has done its `steps` and written its final model says so; one

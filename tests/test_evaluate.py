@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import cwgrpo
 from cwgrpo import Grader
 from tests.support import ROOT, load_evaluate
 
@@ -58,6 +59,132 @@ def test_pass_at_k_exact(n, c, k, expected):
 )
 def test_grading_of_each_benchmarks_gold_form(completion, gold, gold_format, score):
     assert Grader().grade(completion, gold, gold_format).accuracy == score
+
+
+# Hand-written answers of each kind the paper's grading and cwgrpo's reward may read apart, and
+# each one's verdict: the paper protocol's is lighteval's metric's as the paper's evaluation set it
+# up (the verdicts of lighteval 0.8.1, the pinned commit ed084813 with one guard on unparseable
+# numbers, run beside: docs/evaluation.md, "Grading"); the robust protocol's is the training
+# reward's with the benchmark's gold form, and the training reward's its own (gold "default")
+GRADING_CASES = [  # completion, gold, gold form, paper, robust, training
+    (
+        "So the sum is 42. Therefore, the final answer is: $\\boxed{42}$. I hope it is correct",
+        "42",
+        "expr",
+        1,
+        1,
+        1,
+    ),
+    ("Thus \\boxed{41}.", "42", "expr", 0, 0, 0),
+    ("The answer is 42.", "42", "expr", 1, 0, 0),  # a right answer without a box
+    ("**Answer:** 42", "42", "expr", 1, 0, 0),
+    ("So $x = 42$.", "42", "expr", 1, 0, 0),
+    ("<think>\nadd them\n</think>\n<answer>42</answer>", "42", "expr", 0, 0, 0),
+    ("Therefore, the final answer is: 42. I hope it is correct", "42", "expr", 1, 0, 0),
+    ("We have \\[ x = 42 \\]", "42", "expr", 1, 0, 0),
+    ("The answer is 1,234.", "1234", "expr", 1, 0, 0),
+    ("\\boxed{\\frac12}", "\\frac{1}{2}", "latex", 1, 0, 0),  # LaTeX's shorthand
+    ("\\boxed{0.33333}", "\\frac{1}{3}", "latex", 1, 0, 0),  # five decimals: the paper's precision
+    ("\\boxed{0.333}", "\\frac{1}{3}", "latex", 0, 0, 0),
+    ("First \\boxed{7}, then on reflection \\boxed{42}.", "42", "expr", 1, 0, 0),  # the last box
+    ("So \\boxed{3}. Hmm, no: \\boxed{42}", "42", "expr", 1, 0, 0),
+    ("\\boxed{1} or maybe \\boxed{2}", "2", "expr", 1, 0, 0),
+    ("\\boxed{1} and \\boxed{2}", "1,2", "latex", 1, 0, 0),  # boxes the paper reads as one answer
+    ("\\boxed{25\\%}", "25", "expr", 0, 1, 1),  # 25% is 1/4 to the paper, 25 to math-verify 0.9
+    ("\\boxed{25}", "25\\%", "latex", 0, 0, 1),
+    ("\\boxed{25\\%}", "25\\%", "latex", 1, 0, 1),
+    (
+        "\\boxed{25}",
+        "The discount is $\\boxed{25\\%}$.",
+        "latex",
+        0,
+        1,
+        1,
+    ),  # an Open-RS solution's gold
+    ("The answer is 25%.", "25", "expr", 1, 0, 0),
+    (
+        "We have 3 + 4 = 7 and then 7 * 6 = 42, so we multiply by",
+        "42",
+        "expr",
+        1,
+        0,
+        0,
+    ),  # cut off: the paper reads its last number
+    ("We have 3 + 4 = 7 and then 7 * 6 = 42, so we multiply by 2 to get", "84", "expr", 0, 0, 0),
+    ("Let me think. The numbers are 10 and 32", "42", "expr", 0, 0, 0),
+    ("\\boxed{42}", "The answer is 42.", "latex", 0, 0, 1),
+    (
+        "\\boxed{\\text{Friday}}",
+        "\\text{Friday}",
+        "latex",
+        1,
+        0,
+        0,
+    ),  # the paper compares an unparsed gold as text
+    ("\\boxed{3.14159}", "\\pi", "latex", 0, 0, 0),
+]
+
+
+@pytest.mark.parametrize("completion,gold,gold_format,paper,robust,training", GRADING_CASES)
+def test_each_protocol_grades_as_its_reference_does(
+    completion, gold, gold_format, paper, robust, training
+):
+    assert evaluate.grade_paper(completion, gold, gold_format).accuracy == paper
+    assert cwgrpo.grade_accuracy(completion, gold, gold_format).accuracy == robust
+    assert cwgrpo.grade_accuracy(completion, gold).accuracy == training
+
+
+def test_the_paper_reads_several_boxes_and_percents_as_its_pinned_versions_did():
+    """latex2sympy2_extended 1.0.6 keeps the last box, or the last boxes joined by nothing but
+    "and", "or" or a comma; X% is X/100 (math-verify 0.9 holds 25% = 25)."""
+    assert (
+        evaluate.last_boxes("First \\boxed{7}, then \\boxed{42}.") == "First {7}, then \\boxed{42}."
+    )
+    assert evaluate.last_boxes("\\boxed{1} and \\boxed{2}") == "\\boxed{1} and \\boxed{2}"
+    assert (
+        evaluate.last_boxes("\\fbox{1} so \\boxed{\\frac{1}{2}}") == "{1} so \\boxed{\\frac{1}{2}}"
+    )
+    assert (
+        evaluate.last_boxes("no box, or an open one: \\boxed{4")
+        == "no box, or an open one: \\boxed{4"
+    )
+    quarter = evaluate.percent_valued(evaluate.parse("\\boxed{25\\%}"))
+    assert quarter[0] == evaluate.Rational(1, 4) and quarter[1] == "25\\%"
+
+
+def test_an_unparseable_gold_scores_0_in_training_and_is_compared_as_text_by_the_paper():
+    """The released reward returns None there (and its trainer stops on it); cwgrpo scores 0 and
+    counts it (gold_unparseable). lighteval compares such a gold with the answer's text."""
+    assert cwgrpo.grade_accuracy("\\boxed{7}", "").gold_parsed is False
+    assert cwgrpo.grade_accuracy("\\boxed{7}", "no number here").accuracy == 0.0
+    word = evaluate.grade_paper("\\boxed{Friday}", "Friday", "latex")
+    assert (word.accuracy, word.gold_parsed) == (1.0, False)
+    assert evaluate.grade_paper("\\boxed{Monday}", "Friday", "latex").accuracy == 0.0
+
+
+def test_the_paper_protocol_grades_with_the_papers_metric(tiny_run, tmp_path, monkeypatch):
+    """--protocol paper grades each sample with grade_paper, --protocol robust with the training
+    reward: a right answer stated without a box counts for the first alone."""
+    bench = tmp_path / "forty-two.jsonl"
+    bench.write_text(json.dumps({"problem": "6*7", "answer": "42"}) + "\n")
+
+    def unboxed(model, tokenizer, prompts, how, **_):  # the sampler stands in: grading is tested
+        rollout = generate_completions(model, tokenizer, prompts, how)
+        rollout.texts = ["The answer is 42."] * len(rollout.texts)
+        return rollout
+
+    generate_completions = evaluate.cwgrpo.generate_completions
+    monkeypatch.setattr(evaluate.cwgrpo, "generate_completions", unboxed)
+    args = ["--model", str(tiny_run / "final-model"), "--benchmarks", str(bench)]
+    args += ["--gold-format", "expr", "--max-new-tokens", "4", "--n", "2"]
+    scores = {}
+    for protocol in ("paper", "robust"):
+        out = tmp_path / protocol
+        evaluate.main(
+            evaluate.parse_config([*args, "--protocol", protocol, "--output-dir", str(out)])
+        )
+        scores[protocol] = json.loads((out / "results.json").read_text())["average_pass@1"]
+    assert scores == {"paper": 100.0, "robust": 0.0}
 
 
 def doubling_benchmark(tmp_path, problems: int, model, n: int) -> tuple[list[str], Path]:

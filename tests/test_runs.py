@@ -297,16 +297,23 @@ def test_a_second_stop_signal_interrupts_at_once(first, capsys):
     assert f"{name}: stopping after this step, with a checkpoint" in capsys.readouterr().err
 
 
-def test_a_run_interrupted_mid_step_says_how_to_resume(tmp_path, monkeypatch):
+def test_a_run_interrupted_mid_step_says_how_to_go_on(tmp_path, monkeypatch, tiny_run):
+    """With a checkpoint, the command that resumes from it; before the first, the one that starts
+    afresh (--resume would be refused: there is nothing to resume)."""
     monkeypatch.setattr(sys, "argv", [str(ROOT / "cwgrpo.py"), "--preset", "tiny"])
     monkeypatch.setattr(sys.modules["__main__"], "__spec__", None)  # as python cwgrpo.py
     monkeypatch.chdir(tmp_path)  # elsewhere: the command names the script by its full path
-    with pytest.raises(SystemExit) as stop:
-        with run_folder.RunFolder(tmp_path / "run", {}, False, False, ()):
-            raise KeyboardInterrupt  # what a second Ctrl-C or SIGTERM raises
-    resume = f"python {ROOT / 'cwgrpo.py'} --preset tiny --resume"
-    message = "interrupted: the step under way is lost; resume from the last checkpoint with: "
-    assert str(stop.value) == message + resume
+    command = f"python {ROOT / 'cwgrpo.py'} --preset tiny"
+    lost = "interrupted: the step under way is lost; "
+    for folder, go_on in (
+        (tmp_path / "run", f"no checkpoint was written yet; start afresh with: {command} "
+         "--overwrite-output-dir"),
+        (tiny_run, f"{tiny_run / 'checkpoint-4'} is intact; resume with: {command} --resume"),
+    ):  # fmt: skip
+        with pytest.raises(SystemExit) as stop:
+            with run_folder.RunFolder(folder, {}, False, False, ()):
+                raise KeyboardInterrupt  # what a second Ctrl-C or SIGTERM raises
+        assert str(stop.value) == lost + go_on
 
 
 def test_a_run_leaves_its_curves_and_a_valid_small_token_page(tiny_run):
@@ -639,7 +646,10 @@ def test_a_save_the_disk_cannot_hold_stops_before_writing(tiny_args, tmp_path, m
         message.startswith(f"error: {out / 'checkpoint-2'} needs about 0.00")
         and "\n" not in message
     )
-    assert "0.00 GB are free; no checkpoint was written yet; free space and resume" in message
+    start_afresh = (
+        "0.00 GB are free; no checkpoint was written yet; free space and start afresh with"
+    )
+    assert start_afresh in message and message.endswith(" --overwrite-output-dir")
     assert not (out / ".checkpoint-2.partial").exists()
 
 
@@ -985,6 +995,28 @@ OUT_OF_MEMORY = {  # CWGRPO_FAULT -> the phase named, and the flag the resume co
 }
 if ROLLOUT == "vllm":  # the engine's phase; the others are the HF loop's, tested there
     OUT_OF_MEMORY = {f"{SAMPLER}:3:oom": ("sampling", "--vllm-gpu-memory-utilization 0.2")}
+
+
+def test_out_of_memory_before_the_first_checkpoint_prints_the_command_that_starts_afresh(
+    tiny_args, tmp_path
+):
+    """--resume would find no checkpoint and be refused: the line gives the command that works,
+    with the flag that lowers the phase, and it runs."""
+    out = tmp_path / "run"
+    args = [*tiny_args, "--steps", "2", "--save-every", "2", "--output-dir", str(out)]
+    done = fault_run([*args, "--reward-workers", "1"], f"{SAMPLER}:1:oom")  # step 1's sampling
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    line = done.stderr.strip().splitlines()[-1]
+    assert "; no checkpoint was written yet; start afresh with: python cwgrpo.py " in line
+    command = line.split("start afresh with: ")[1]
+    flag = OUT_OF_MEMORY[f"{SAMPLER}:3:oom"][1]  # the sampling phase's lever
+    assert command.endswith(f"--overwrite-output-dir {flag}") and "--resume" not in command
+    again = subprocess.run(
+        [sys.executable, *shlex.split(command)[1:]], capture_output=True, text=True, timeout=600,
+        cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert len(read_metrics(out / "metrics.jsonl")) == 2
 
 
 @pytest.mark.parametrize("fault", list(OUT_OF_MEMORY))
