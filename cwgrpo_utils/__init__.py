@@ -24,7 +24,7 @@ Each module knows nothing of cwgrpo and never imports it (as cleanRL keeps clean
 - presets: the CPU presets' options, tasks and held-out sets, in one place
 - preset_models: the CPU presets' models made ready on first use, by
   - tiny: the tiny presets' models and tasks, built here
-  - smollm2: the real-model preset's task, and its model built from a GGUF where the hub is off
+  - smollm2: the real-model presets' tasks, and their model built from a GGUF where the hub is off
 
 This file holds the constants read before torch is imported: the clone's root, the precisions,
 Open-RS's system prompt.

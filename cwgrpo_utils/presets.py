@@ -4,17 +4,19 @@ evaluated on (evaluation_sets/). Light on purpose: cwgrpo.py reads it before it 
 
 - tiny, tiny-chain: a Qwen2 of 115k parameters warm-started on sums of digits (tiny.py builds it
   on first use), one decision a completion or three;
-- smollm2-sums: SmolLM2-135M-Instruct, a real LM that writes no think tags, so only accuracy
-  counts (smollm2.py writes its task and, where the hub is off, builds it from a GGUF file).
+- smollm2-sums, smollm2-3shot: SmolLM2-135M-Instruct, a real LM that writes no think tags, so
+  only accuracy counts (smollm2.py writes their tasks and, where the hub is off, builds it from a
+  GGUF file); smollm2-3shot's task was chosen for the power of an ablation (docs/smollm2.md).
 """
 
 from cwgrpo_utils import REPOSITORY
 from cwgrpo_utils.cli import shown_path
 
-SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"  # smollm2-sums's model, on the hub
+SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the smollm2 presets' model, on the hub
 # Each CPU preset's folder, one per clone: its task, and its model where one is built here
 BASES = {
-    name: REPOSITORY / "runs" / f"{name}-base" for name in ("tiny", "tiny-chain", "smollm2-sums")
+    name: REPOSITORY / "runs" / f"{name}-base"
+    for name in ("tiny", "tiny-chain", "smollm2-sums", "smollm2-3shot")
 }
 EVALUATION_SETS = REPOSITORY / "evaluation_sets"
 
@@ -86,17 +88,39 @@ CPU_PRESETS = {
         "learning_rate": 2e-5,
         "save_every": 10,
     },
+    # Sums of a 2-digit and a 1-digit number after three worked examples, which the base model gets
+    # right 28% of the time: 4 prompts a step so that most groups carry a signal; 20 steps, so that
+    # 5 seeds of 3 methods fit 90 minutes on 2 CPU cores
+    "smollm2-3shot": {
+        **CPU_RECIPE,
+        "model": SMOLLM2,
+        "dataset": f"{BASES['smollm2-3shot']}/task.jsonl",
+        "format_weight": 0.0,
+        "prompts_per_step": 4,
+        "max_prompt_length": 192,
+        "max_completion_length": 32,
+        "steps": 20,
+        "temperature": 0.7,
+        "learning_rate": 2e-5,
+        "save_every": 10,
+    },
 }
 PRESETS = {**GPU_PRESETS, **CPU_PRESETS}  # --preset's choices, the paper's 1.5B recipe first
 
 # Each CPU preset's task: a tiny one adds `operands` digits, a decision a step, after a warm-start
-# of `warmstart_steps`; each is evaluated on every problem of its held-out set, with its limit
+# of `warmstart_steps`; a SmolLM2 one asks problems of a `form` of smollm2.TASK_FORMS; each is
+# evaluated on every problem of its held-out set, with its limit
 TASKS = {
     "tiny": dict(operands=2, warmstart_steps=250, evaluation_set="tiny-arithmetic.jsonl")
     | dict(max_new_tokens=40),
     "tiny-chain": dict(operands=4, warmstart_steps=1000, evaluation_set="tiny-chain.jsonl")
     | dict(max_new_tokens=64),
-    "smollm2-sums": dict(evaluation_set="smollm2-sums.jsonl", max_new_tokens=48),  # 2-digit sums
+    # held out: 2-digit sums, asked with the same example
+    "smollm2-sums": dict(form="sum-1d-fixed", evaluation_set="smollm2-sums.jsonl")
+    | dict(max_new_tokens=48),
+    # held out: problems of the same form, none of whose sums is asked in training
+    "smollm2-3shot": dict(form="sum-2d1d-3shot", evaluation_set="smollm2-3shot.jsonl")
+    | dict(max_new_tokens=32),
 }
 
 

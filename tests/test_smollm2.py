@@ -16,7 +16,7 @@ import transformers
 
 import cwgrpo
 import evaluate
-from cwgrpo_utils import loading, preset_models, prompts, smollm2, tiny
+from cwgrpo_utils import loading, preset_models, presets, prompts, smollm2, tiny
 from cwgrpo_utils.presets import SMOLLM2
 from tests.support import ROLLOUT, ROOT, evaluate_as_printed
 
@@ -77,14 +77,50 @@ def test_smollm2_offline_without_its_gguf_package_is_one_line(tmp_path, monkeypa
     assert not (tmp_path / "model").exists()
 
 
-def test_the_sums_task_asks_with_a_one_shot_example_and_boxes_its_gold(tmp_path):
-    rows = [json.loads(line) for line in smollm2.sums_dataset(tmp_path / "s.jsonl").open()]
+def test_the_sums_task_asks_with_a_one_shot_example_and_boxes_its_gold(tmp_path, monkeypatch):
+    dataset = tmp_path / "s.jsonl"
+    monkeypatch.setitem(presets.CPU_PRESETS["smollm2-sums"], "dataset", str(dataset))
+    rows = [json.loads(line) for line in smollm2.preset_task("smollm2-sums").open()]
     assert len(rows) == 2000
     for row in rows[:50]:
         a, b = map(int, row["problem"].split("Q: What is ")[2].split("?")[0].split(" + "))
         assert 0 <= a <= 9 and 0 <= b <= 9 and row["solution"] == f"\\boxed{{{a + b}}}"
         assert row["problem"].startswith("Q: What is 4 + 7?\nA: The answer is \\boxed{11}.\n")
         assert cwgrpo.grade_accuracy(f"The answer is \\boxed{{{a + b}}}.", row["solution"]).accuracy
+
+
+def test_the_3shot_task_shows_three_worked_sums_and_never_asks_a_held_out_one(
+    tmp_path, monkeypatch
+):
+    held_out = [json.loads(line) for line in (ROOT / "evaluation_sets/smollm2-3shot.jsonl").open()]
+    drawn = smollm2.task_problems("sum-2d1d-3shot", n=128, seed=1, distinct=True)
+    assert [(row["problem"], int(row["answer"])) for row in held_out] == drawn  # as documented
+    dataset = tmp_path / "task.jsonl"
+    monkeypatch.setitem(presets.CPU_PRESETS["smollm2-3shot"], "dataset", str(dataset))
+    assert preset_models.ready("a/model", str(dataset)) == "a/model" and dataset.is_file()
+    rows = [json.loads(line) for line in dataset.open()]
+    training = {smollm2.asked(row["problem"]) for row in rows}
+    assert len(rows) == 2000 and not training & {smollm2.asked(r["problem"]) for r in held_out}
+    for row in rows[:50] + held_out[:50]:
+        *examples, question = row["problem"].split("Q: What is ")[1:]
+        assert len(examples) == 3 and question.endswith("?\nA:")
+        for example in examples:  # "15 + 4?\nA: 15 + 4 = 19, so the answer is \boxed{19}.\n"
+            expression, shown = example.split("?\nA: ")
+            a, b = map(int, expression.split(" + "))
+            assert 10 <= a <= 99 and 0 <= b <= 9
+            assert shown == f"{expression} = {a + b}, so the answer is \\boxed{{{a + b}}}.\n"
+        a, b = map(int, smollm2.asked(row["problem"]).split(" + "))
+        gold = row.get("solution") or f"\\boxed{{{row['answer']}}}"
+        assert gold == f"\\boxed{{{a + b}}}"
+
+
+def test_a_difference_is_never_negative_and_distinct_problems_never_repeat():
+    problems = smollm2.task_problems("diff-2d1d-3shot", n=200, seed=3, distinct=True)
+    asked = [smollm2.asked(question) for question, _ in problems]
+    assert len(set(asked)) == 200
+    for expression, (_, answer) in zip(asked, problems):
+        a, b = map(int, expression.split(" - "))
+        assert a >= b and answer == a - b >= 0
 
 
 needs_the_gguf = pytest.mark.skipif(

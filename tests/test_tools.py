@@ -9,6 +9,7 @@ import os
 import shlex
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -19,11 +20,11 @@ import torch
 
 import cwgrpo
 from cwgrpo import Grader
-from cwgrpo_utils import checkpoints, cli, loading, plots, tiny
+from cwgrpo_utils import checkpoints, cli, loading, plots, smollm2, tiny
 from cwgrpo_utils.prompts import PromptStream
 from cwgrpo_verl import data
 from tests.support import ROOT, processes_tagged, read_metrics, run_cli
-from tools import ablate, diagnose
+from tools import ablate, diagnose, probe
 
 
 def test_interval_by_hand():
@@ -522,3 +523,55 @@ def test_the_verl_converter_and_reward_need_no_verl(tmp_path):
     assert data.compute_score("open-rs", good, gold) == 2.0
     assert data.compute_score("open-rs", good, gold, {"format_weight": 0}) == 1.0
     assert data.compute_score("open-rs", "\\boxed{1}", gold) == 0.0
+
+
+def test_probe_tabulates_each_form_from_the_samples_evaluate_py_drew(tmp_path, tiny_base):
+    out = tmp_path / "probe"
+    args = ["--model", str(tiny_base / "model"), "--forms", "sum-1d-1shot,diff-2d1d-3shot"]
+    args += ["--problems", "3", "--n", "4", "--temperatures", "0.7,2.0", "--max-new-tokens", "8"]
+    table = probe.probe([*args, "--output-dir", str(out)])
+    assert (out / "probe.md").read_text() == table
+    rows = [line.split(" | ") for line in table.splitlines()[4:]]
+    forms = ("sum-1d-1shot", "diff-2d1d-3shot")
+    probed = [(form, temperature) for temperature in ("0.7", "2.0") for form in forms]
+    assert [(row[0][2:], row[1]) for row in rows] == probed
+    tokenizer = loading.load_tokenizer(str(tiny_base / "model"))
+    for (form, temperature), row in zip(probed, rows):
+        asked = [json.loads(line) for line in (out / f"{form}.jsonl").open()]
+        assert [(a["problem"], a["answer"]) for a in asked] == smollm2.task_problems(form, 3, 2)
+        sampled = (out / f"eval-t{temperature}" / f"{form}.jsonl").open()
+        sampled = [json.loads(line) for line in sampled]
+        sampled = sorted(sampled[1:], key=lambda s: s["index"])  # after evaluate.py's header
+        assert [(s["prompt"], s["gold"]) for s in sampled] == [
+            (a["problem"], str(a["answer"])) for a in asked
+        ]
+        correct = [[bool(c) for c in s["correct"]] for s in sampled]
+        assert all(len(c) == 4 for c in correct)
+        accuracy = sum(map(sum, correct)) / 12
+        assert row[2].startswith(f"{accuracy:.3f} ± ")
+        assert row[3] == f"{sum(0 < sum(c) < 4 for c in correct) / 3:.2f}"
+        completions = [c for s in sampled for c in s["completions"]]
+        assert row[4] == f"{sum(chr(92) + 'boxed{' in c for c in completions) / 12:.2f}"
+        tokens = [len(tokenizer(c)["input_ids"]) for c in completions]
+        assert row[5] == f"{sum(tokens) / 12:.1f} |"
+    with pytest.raises(SystemExit) as error:
+        probe.probe(["--forms", "sum-1d-1shot,sums", "--output-dir", str(tmp_path / "none")])
+    assert str(error.value).startswith("error: unknown form sums; choose from sum-1d-fixed, ")
+    assert not (tmp_path / "none").exists()
+
+
+def test_probe_row_by_hand():
+    tokenizer = tiny.byte_level_qwen2_tokenizer()
+    problems = [
+        {"correct": [1, 0, 1, 1], "completions": ["\\boxed{3}", "x", "\\boxed{3}", "3"]},
+        {"correct": [0, 0, 0, 0], "completions": ["ab", "", "\\boxed{4}", "abcd"]},
+        {"correct": [1, 1, 1, 1], "completions": ["1", "1", "1", "1"]},
+    ]
+    row = probe.form_row("sum-1d-1shot", "0.7", problems, tokenizer)
+    per_problem = [0.75, 0.0, 1.0]
+    assert row["accuracy"] == statistics.fmean(per_problem)  # 7 of 12 samples
+    assert row["half"] == plots.interval(per_problem)[1]
+    assert row["signal"] == 1 / 3  # only the first group's rewards differ
+    assert row["boxed"] == 3 / 12
+    lengths = [len(tokenizer(c)["input_ids"]) for p in problems for c in p["completions"]]
+    assert row["tokens"] == sum(lengths) / 12 and lengths[:2] == [len("\\boxed{3}"), 1]
