@@ -3,6 +3,7 @@ benchmarks/gpu_check.py at tiny shapes."""
 
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -89,6 +90,15 @@ def test_ablate_table_holds_the_runs_figures_and_a_run_equals_its_standalone_twi
     assert "--evaluate" in table and "| held-out pass@1 | Δ held-out |" in table
     rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in table.splitlines()[4:]}
     assert rows["grpo"][4] == plots.cell([r["average_pass@1"] / 100 for r in held_out])
+    whole_curve = [  # the mean of every rollout step's accuracy, each seed's run
+        statistics.fmean(
+            r["accuracy_mean"]
+            for r in read_metrics(out / f"grpo-seed{seed}" / "metrics.jsonl")
+            if r["update_pass"] == 0
+        )
+        for seed in (0, 1)
+    ]
+    assert rows["grpo"][6] == plots.cell(whole_curve) and rows["grpo"][7] == "-"
     judged = (out / "grpo-seed0" / "eval-log.txt").stat().st_mtime_ns
     ablate.ablate(["--evaluate", *args])  # each model is judged once
     assert (out / "grpo-seed0" / "eval-log.txt").stat().st_mtime_ns == judged
@@ -400,6 +410,19 @@ def test_ablate_checks_every_runs_options_before_the_first_run(tmp_path, capsys)
     with pytest.raises(SystemExit, match="unknown option --stepz"):
         ablate.ablate(["--methods", variants, "--output-dir", str(out)])
     assert "--ar-alpha has no effect with --method grpo" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is not None, reason="vLLM is installed in this venv"
+)
+def test_ablate_refuses_a_vllm_evaluation_without_vllm_before_any_run(tmp_path):
+    out = tmp_path / "ablation"
+    with pytest.raises(SystemExit) as error:
+        ablate.ablate(["--evaluate", "--evaluate-engine", "vllm", "--output-dir", str(out)])
+    assert str(error.value).startswith(
+        "error: --evaluate-engine vllm needs vLLM, which is not installed: pip install"
+    )
     assert not out.exists()
 
 

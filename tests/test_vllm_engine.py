@@ -24,7 +24,7 @@ from cwgrpo_utils import loading, lora, tiny  # noqa: E402
 from cwgrpo_utils.prompts import chat_prompt_ids  # noqa: E402
 from cwgrpo_utils.vllm_engine import Engine  # noqa: E402
 from tests.support import ROOT, load_evaluate, processes_tagged, read_metrics  # noqa: E402
-from tools import diagnose  # noqa: E402
+from tools import ablate, diagnose  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -329,3 +329,21 @@ def leaves(report) -> list[float]:
     if isinstance(report, list):
         return [x for value in report for x in leaves(value)]
     return [report]
+
+
+def test_ablate_judges_with_the_engine_asked_and_never_mixes_two(tiny_args, tmp_path):
+    out = tmp_path / "ablation"
+    args = ["--methods", "grpo", "--seeds", "1", "--no-plot", "--evaluate"]
+    args += ["--output-dir", str(out)]
+    steps = ["--", *tiny_args[2:], "--steps", "2", "--save-every", "2"]
+    ablate.ablate([*args, "--evaluate-engine", "vllm", *steps])
+    results = json.loads((out / "grpo-seed0" / "eval" / "results.json").read_text())
+    assert results["config"]["engine"] == "vllm" and results["config"]["n"] == 8
+    table = (out / "ablation.md").read_text()
+    assert "--evaluate --evaluate-engine vllm" in table and "--engine vllm)" in table
+    with pytest.raises(SystemExit) as error:
+        ablate.ablate([*args, *steps])  # --evaluate-engine hf
+    assert str(error.value) == (
+        f"error: grpo-seed0 in {out} were judged with another --evaluate-engine; pass the one "
+        f"they were judged with, or delete their eval/ folders to judge them again"
+    )

@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 import cwgrpo
 from cwgrpo_utils import checkpoints, plots, preset_models, presets
-from cwgrpo_utils.cli import arg, parse_dataclasses
+from cwgrpo_utils.cli import arg, parse_dataclasses, require
 from cwgrpo_utils.run_folder import StopRequest, option_differences, read_records
 from tools import diagnose
 
@@ -73,6 +73,9 @@ class AblationConfig:
         False,
         "judge each final model as its run's printed evaluate.py command does (the preset's "
         "held-out benchmark, n = 8) and give its pass@1 beside the training accuracy",
+    )
+    evaluate_engine: Literal["hf", "vllm"] = arg(
+        "hf", "--evaluate's sampler (evaluate.py --engine): vllm is the faster on a real model"
     )
     threshold: float = arg(
         0.7, "accuracy for 'steps to threshold' (first step whose 10-step mean reaches it)"
@@ -120,6 +123,9 @@ def run_figures(run_dir: Path, threshold: float) -> dict:
         "entropy": [r["entropy_mean"] for r in records],
         "touched_frac": statistics.fmean(r["touched_frac"] for r in every_update),
     }
+    # the whole curve: every step's accuracy counts, so a run is read from all its samples, not
+    # from the last 10% of steps alone
+    summary["mean_accuracy"] = statistics.fmean(summary["accuracy"])
     for key in ("accuracy_mean", "format_mean", "reward_mean", "entropy_mean"):
         summary["first_" + key], summary["final_" + key] = plots.first_to_last(records, key)
     reached = [
@@ -188,6 +194,14 @@ def run_one(
         evaluate_one(run_dir, acfg)
 
 
+def evaluation_engine(run_dir: Path) -> str | None:
+    """The sampler that judged the run's final model (--evaluate), None if none has."""
+    results = run_dir / "eval" / "results.json"
+    if not results.is_file():
+        return None
+    return json.loads(results.read_text())["config"]["engine"]
+
+
 def wall_time(run_dir: Path) -> dict:
     """<run>/wall_time.json: the run's wall time over all its parts so far, and whether it
     finished (a file from before that flag was written only by a finished run)."""
@@ -225,7 +239,8 @@ def evaluate_one(run_dir: Path, acfg: AblationConfig) -> None:
     and one grading process, into <run>/eval; evaluate.py keeps the problems it finished, so a
     stopped evaluation resumes where it was."""
     options = presets.final_model_evaluation(run_dir, acfg.preset)
-    options += ["--reward-workers", "1", "--output-dir", str(run_dir / "eval")]
+    options += ["--engine", acfg.evaluate_engine, "--reward-workers", "1"]
+    options += ["--output-dir", str(run_dir / "eval")]
     evaluate = [sys.executable, str(EVALUATE), *options]
     CHILDREN.run_logged(evaluate, run_dir / "eval-log.txt", f"evaluating {run_dir.name}")
 
@@ -312,6 +327,8 @@ def ablate(argv: list) -> Path:
     own, run_args = argv[:split], argv[split + 1 :]
     (acfg,), _ = parse_dataclasses(AblationConfig, own, prog="python -m tools.ablate")
     methods = parse_methods(acfg.methods)
+    if acfg.evaluate and acfg.evaluate_engine == "vllm":
+        require("vllm", "--evaluate-engine vllm")
     if acfg.plot:
         plots.pyplot()  # fail now, not after the runs, if matplotlib is missing
     output_dir = Path(acfg.output_dir)
@@ -334,6 +351,17 @@ def ablate(argv: list) -> Path:
         )
     for run_dir in changed:
         shutil.rmtree(run_dir)
+    judged_otherwise = [
+        run_dir.name
+        for _, _, run_dir in runs
+        if acfg.evaluate and evaluation_engine(run_dir) not in (None, acfg.evaluate_engine)
+    ]
+    if judged_otherwise:
+        raise SystemExit(
+            f"error: {', '.join(judged_otherwise)} in {output_dir} were judged with another "
+            f"--evaluate-engine; pass the one they were judged with, or delete their eval/ "
+            f"folders to judge them again"
+        )
     workers = acfg.workers or os.cpu_count() or 1
     try:
         with CHILDREN, ThreadPoolExecutor(workers) as pool:
@@ -389,6 +417,7 @@ def command(acfg: AblationConfig, run_args: list) -> str:
     """The command that makes this ablation, as its tables quote it."""
     every = f" --diagnose-every {acfg.diagnose_every}" if acfg.diagnose_every else ""
     evaluate = " --evaluate" if acfg.evaluate else ""
+    evaluate += f" --evaluate-engine {acfg.evaluate_engine}" * (acfg.evaluate_engine != "hf")
     options = f" -- {shlex.join(run_args)}" if run_args else ""
     return (
         f"python -m tools.ablate --methods {shlex.quote(acfg.methods)} --seeds {acfg.seeds} "
@@ -414,21 +443,23 @@ def ablation_table(
         f"Mean ± half-width of the 95% Student-t interval over {over}. First and "
         f"final figures are means over the first and last 10% of rollout steps. Δ is the "
         f"paired difference from grpo over the same seeds, **bold** where its interval "
-        f"excludes 0 (a finding); elsewhere the seeds cannot tell the two apart. 'steps to "
+        f"excludes 0 (a finding); elsewhere the seeds cannot tell the two apart. Accuracy over "
+        f"all steps is the mean of every rollout step's accuracy (the whole curve). 'steps to "
         f"{acfg.threshold}' is the first rollout step whose 10-step mean accuracy reaches it "
         f"(seeds that never do are left out and counted)."
         + (
             " Held-out pass@1: each final model on the preset's benchmark, 8 samples a "
-            "problem (evaluate.py, as each run printed it)."
+            f"problem (evaluate.py, as each run printed it, --engine {acfg.evaluate_engine})."
             if acfg.evaluate
             else ""
         ),
         "",
         "| method | options | accuracy first → final | Δ final accuracy | "
         + "held-out pass@1 | Δ held-out | " * acfg.evaluate
+        + "accuracy, all steps | Δ all steps | "
         + f"final format | Δ format | entropy first → final | Δ final entropy | "
         f"steps to {acfg.threshold} | wall s | touched |",
-        "|---" * (11 + 2 * acfg.evaluate) + "|",
+        "|---" * (13 + 2 * acfg.evaluate) + "|",
     ]
     for label, runs in summaries.items():
 
@@ -455,7 +486,8 @@ def ablation_table(
                 if acfg.evaluate
                 else ""
             )
-            + f"{plots.cell(values('final_format_mean'))} | {delta('final_format_mean')} | "
+            + f"{plots.cell(values('mean_accuracy'))} | {delta('mean_accuracy')} | "
+            f"{plots.cell(values('final_format_mean'))} | {delta('final_format_mean')} | "
             f"{statistics.fmean(values('first_entropy_mean')):.3f} → "
             f"{plots.cell(values('final_entropy_mean'))} | {delta('final_entropy_mean')} | "
             f"{steps} | "
