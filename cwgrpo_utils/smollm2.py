@@ -150,4 +150,5 @@ def build_from_gguf(out: Path) -> None:
     model = transformers.LlamaForCausalLM(config)
     model.load_state_dict(loaded.state_dict())
     model.generation_config = loaded.generation_config
+    out.parent.mkdir(parents=True, exist_ok=True)  # smollm2-3shot's run has not made it
     save_checkpoint(out.parent, out.name, model, tokenizer)

@@ -131,8 +131,8 @@ needs_the_gguf = pytest.mark.skipif(
 
 @needs_the_gguf
 def test_the_gguf_build_is_the_gguf_model_as_a_plain_llama(tmp_path):
-    smollm2.build_from_gguf(tmp_path / "model")
-    built = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    smollm2.build_from_gguf(tmp_path / "base" / "model")  # its folder made, as in a fresh clone
+    built = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base" / "model")
     assert type(built).__name__ == "LlamaForCausalLM"
     assert sum(p.numel() for p in built.parameters()) == 134_515_008
     path = importlib.metadata.distribution(smollm2.GGUF_PACKAGE).locate_file(smollm2.GGUF_FILE)
@@ -140,7 +140,7 @@ def test_the_gguf_build_is_the_gguf_model_as_a_plain_llama(tmp_path):
     ids = torch.tensor([[1, 504, 3458, 314, 216, 30, 1792, 216, 31, 47]])
     with torch.no_grad():
         assert torch.equal(built(ids).logits, original(ids).logits)
-    tokenizer = loading.load_tokenizer(str(tmp_path / "model"))
+    tokenizer = loading.load_tokenizer(str(tmp_path / "base" / "model"))
     prompt = prompts.chat_prompt_ids(tokenizer, "What is 2 + 3?", "")
     assert tokenizer.decode(prompt).endswith(
         "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"
