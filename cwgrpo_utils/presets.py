@@ -123,6 +123,10 @@ TASKS = {
     | dict(max_new_tokens=32),
 }
 
+# evaluate.py's options for a CPU task's file: the question as training asks it, the gold an
+# expression
+QUESTION_AS_ASKED = ("--gold-format", "expr", "--prompt-template", "{question}")
+
 
 def evaluate_options(preset: str) -> tuple[str, ...]:
     """evaluate.py's options for a CPU preset's model: its held-out set, the questions as they are
@@ -130,9 +134,8 @@ def evaluate_options(preset: str) -> tuple[str, ...]:
     if preset not in TASKS:
         return ()
     problems = shown_path(EVALUATION_SETS / TASKS[preset]["evaluation_set"])
-    prompts = ("--gold-format", "expr", "--prompt-template", "{question}")
     sampling = ("--top-p", "1.0", "--max-new-tokens", str(TASKS[preset]["max_new_tokens"]))
-    return ("--benchmarks", problems, *prompts, *sampling)
+    return ("--benchmarks", problems, *QUESTION_AS_ASKED, *sampling)
 
 
 def final_model_evaluation(output_dir, preset: str) -> list[str]:

