@@ -897,6 +897,23 @@ def optimizer_and_schedule(trained: list, cfg: Config, updates: int):
     return optimizer, scheduler
 
 
+def optimizer_step(trained: list, optimizer, scheduler, scaler, max_grad_norm: float):
+    """The step's gradient applied: its norm clipped to max_grad_norm (under fp16, unscaled
+    first), then AdamW and the schedule's next learning rate; unless the norm is not finite (fp16's
+    overflow, or a NaN): then no weight, AdamW moment or learning rate changes, and under fp16 the
+    loss scale halves. Returns the norm, the learning rate the step used, and whether it ran."""
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(trained, max_grad_norm)
+    lr = scheduler.get_last_lr()[0]
+    finite = bool(torch.isfinite(grad_norm))
+    if finite:
+        scaler.step(optimizer)  # optimizer.step(), but in fp16 the scaler's check
+        scheduler.step()
+    scaler.update()  # fp16: the loss scale halves after an overflow
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, lr, finite
+
+
 # The training loop --------------------------------------------------------------------------------
 def training_loop(cfg, run_cfg, model, reference, tokenizer, prompts, grader, engine, run: Run):
     """The paper's algorithm, step after step, each step's phases in the order they run, numbered
@@ -955,19 +972,12 @@ def training_loop(cfg, run_cfg, model, reference, tokenizer, prompts, grader, en
                     scaler.scale(loss).backward()  # fp16: scaled up, so no gradient underflows
                     loss_sum += loss.item()
                     token_values.append(metrics.token_values(rows, parts))
-            # 7. Clip the gradient's norm (under fp16, unscaled first), then AdamW and the
-            # schedule's next learning rate; unless the gradient is not finite (fp16's overflow,
-            # or a NaN): then nothing changes, and the step counts as skipped
-            scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(trained, cfg.max_grad_norm)
-            lr = scheduler.get_last_lr()[0]
-            finite = bool(torch.isfinite(grad_norm))
+            # 7. Clip the gradient's norm, then AdamW and the schedule's next learning rate;
+            # unless the gradient is not finite: then nothing changes, and the step is skipped
             with run.phase("the optimizer step", step):
-                if finite:
-                    scaler.step(optimizer)  # optimizer.step(), but in fp16 the scaler's check
-                    scheduler.step()
-            scaler.update()  # fp16: the loss scale halves after an overflow
-            optimizer.zero_grad(set_to_none=True)
+                grad_norm, lr, finite = optimizer_step(
+                    trained, optimizer, scheduler, scaler=scaler, max_grad_norm=cfg.max_grad_norm
+                )
             update_figures = metrics.update_metrics(
                 token_values, loss_sum, grad_norm=grad_norm.item(), lr=lr
             )

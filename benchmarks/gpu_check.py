@@ -28,6 +28,7 @@ sleeps beside the steps, as in a run, so an update that ran into a cap of the en
 
 import argparse
 import dataclasses
+import gc
 import importlib.util
 import json
 import tempfile
@@ -251,6 +252,7 @@ def check(config: dict, cfg, run_cfg, precision, steps: int, longest: int) -> No
     else:
         print(f"  peak memory: not measured on the CPU; planned {planned['peak'] / 1e9:.3f} GB")
     del model, reference, optimizer, engine
+    gc.collect()  # the engine gone before the next precision's: vLLM 0.32-0.33 allow one a process
     if cuda:
         torch.cuda.empty_cache()
 

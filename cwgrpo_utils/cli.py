@@ -49,6 +49,18 @@ def require(module: str, option: str) -> None:
         raise SystemExit(f"error: {option} needs {name}, which is not installed: {install}")
 
 
+def require_engine_in_process(option: str) -> None:
+    """A one-line stop where VLLM_ENABLE_V1_MULTIPROCESSING asks vLLM for an engine in a process of
+    its own: the trainer pushes its weights into the engine's model, which must be in its process
+    (vllm_engine.py sets it to 0 where it is unset)."""
+    value = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    check(
+        value == "0",
+        f"{option} pushes the trainer's weights into vLLM's engine in this process, and "
+        f"VLLM_ENABLE_V1_MULTIPROCESSING={value} starts it in another; unset it or set it to 0",
+    )
+
+
 def arg(default, help: str, valid: str = "", **metadata):
     """A dataclass field with its --help text and, for a number, its range (a key of RANGES),
     which --help shows and check_ranges enforces."""

@@ -267,6 +267,7 @@ def plan(model: str, options: PlanOptions, cuda: bool = True) -> dict:
         "items": items,
         "phases": phases,
         "peak": max(phases.values()),
+        "resident": resident,  # what every phase holds: weights, AdamW's moments, the reference
         "engine_share": engine_share,
         # the engine's weights in its dtype, and its KV cache of one row at its longest
         "engine_weights": half * n if engine_share else 0,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from cwgrpo_utils import PRECISIONS, trackers
-from cwgrpo_utils.cli import arg, check_ranges, require
+from cwgrpo_utils.cli import arg, check_ranges, require, require_engine_in_process
 
 
 @dataclass
@@ -51,4 +51,5 @@ class RunConfig:
         check_ranges(self)
         if self.rollout == "vllm" and not self.plan:  # a plan needs no engine
             require("vllm", "--rollout vllm")
+            require_engine_in_process("--rollout vllm")
         trackers.check(self.report_to)

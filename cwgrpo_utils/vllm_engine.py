@@ -26,6 +26,7 @@ import os
 import torch
 
 from cwgrpo_utils import lora
+from cwgrpo_utils.cli import require_engine_in_process
 from cwgrpo_utils.loading import generation_config
 from cwgrpo_utils.memory_plan import Architecture, PlanOptions, engine_kv_cache, read_config
 
@@ -49,6 +50,8 @@ class Engine:
         pushed_weights: bool = True,
         dtype: str = "",
     ):
+        if pushed_weights:  # a process of its own would not see the weights pushed
+            require_engine_in_process("--rollout vllm")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its warnings repeat each step
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the trainer's --threads
