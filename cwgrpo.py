@@ -21,7 +21,7 @@ from typing import Callable, Literal
 from cwgrpo_utils import OPEN_RS_SYSTEM_PROMPT, cli
 from cwgrpo_utils.cli import arg
 from cwgrpo_utils.presets import PRESETS
-from cwgrpo_utils.run_config import RunConfig
+from cwgrpo_utils.run_config import RunConfig, check_output_dir
 
 # Config -------------------------------------------------------------------------------------------
 # --method's choices, in the order section 5 defines them, and the Config fields each reads
@@ -161,8 +161,10 @@ def parse_config(argv=None, *extra, hidden: tuple = (), prog: str | None = None)
     return parsed
 
 
-if __name__ == "__main__":  # --help and a bad option answer here, before the heavy imports below
+if __name__ == "__main__":  # --help and bad options answer here, before the heavy imports below
     CONFIG, RUN_CONFIG = parse_config()
+    if not RUN_CONFIG.plan:  # a folder that holds a run, refused at once
+        check_output_dir(RUN_CONFIG.output_dir, RUN_CONFIG.resume, RUN_CONFIG.overwrite_output_dir)
 
 # What a run needs once its command line is known (pyproject.toml lets these follow the Config)
 import functools

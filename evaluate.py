@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from typing import Literal
 
-from cwgrpo_utils import PRECISIONS
+from cwgrpo_utils import EVALUATION_TEMPERATURE, PRECISIONS
 from cwgrpo_utils.cli import arg, check, check_ranges, parse_dataclasses, require
 
 BENCHMARK_NAMES = ("aime24", "math500", "amc23", "minerva", "olympiadbench")
@@ -47,21 +47,24 @@ class EvalConfig:
         "by the training reward",
     )
     n: int = arg(8, "samples per problem under the robust protocol", "> 0")
-    temperature: float = arg(0.6, "sampling temperature (the paper: 0.6)", "> 0")
+    temperature: float = arg(EVALUATION_TEMPERATURE, "sampling temperature (the paper's)", "> 0")
     top_p: float = arg(0.95, "nucleus sampling (the paper: 0.95)", "in (0, 1]")
     max_new_tokens: int = arg(4096, "generation limit in tokens", "> 0")
-    batch_size: int = arg(16, "problems per generate call (each with n samples)", "> 0")
+    batch_size: int = arg(
+        16, "problems sampled at once (each prompt encoded once for its n)", "> 0"
+    )
     limit: int = arg(0, "evaluate only the first N problems of each benchmark; 0: all", ">= 0")
     seed: int = arg(2025, "sampling seed", ">= 0")
     reward_timeout_s: float = arg(10.0, "hard limit on grading one completion", "> 0")
     reward_workers: int = arg(0, "grading processes; 0: one per CPU core, at most 8", ">= 0")
     device: str = arg("auto", "auto (cuda if present), cuda or cpu")
+    threads: int = arg(0, "CPU threads of torch; 0: chosen for the model and idle cores", ">= 0")
     precision: Literal[PRECISIONS] = arg(
         "auto", "the model's dtype: auto is bf16 on CUDA 8.0+, fp16 on 7.x, fp32 on a CPU"
     )
     engine: Literal["hf", "vllm"] = arg("hf", "sampler: hf (cwgrpo.py's loop) or vllm, alike")
     vllm_gpu_memory_utilization: float = arg(0.9, "--engine vllm on CUDA: its share", "in (0, 1]")
-    overwrite: bool = arg(False, "recompute benchmarks whose samples were made otherwise")
+    overwrite: bool = arg(False, "recompute benchmarks whose kept samples were made otherwise")
     output_dir: str = arg("", "results.json, results.md and progress; default eval/<model path>")
 
     def __post_init__(self):
@@ -87,6 +90,7 @@ import hashlib
 import json
 import math
 import re
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import NamedTuple
@@ -98,11 +102,13 @@ from sympy import Basic, Rational, UnevaluatedExpr
 from tqdm import tqdm
 
 import cwgrpo
-from cwgrpo_utils import loading, plots, preset_models
+from cwgrpo_utils import loading, plots, preset_models, threads
 from cwgrpo_utils.checkpoints import checkpoint_step
+from cwgrpo_utils.cli import command
 from cwgrpo_utils.grading_pool import LogCounter
 from cwgrpo_utils.precision import Precision
 from cwgrpo_utils.prompts import chat_prompt_ids
+from cwgrpo_utils.run_folder import StopRequest
 from cwgrpo_utils.vllm_engine import Engine
 
 
@@ -153,20 +159,29 @@ PAPER_GOLD = {
 }
 PAPER_PREDICTION = [ExprExtractionConfig(), LatexExtractionConfig(boxed_match_priority=0)]
 BOX = re.compile(r"\\(?:boxed|fbox)\s*{")
-BOX_SEPARATOR = re.compile(r"^\s*(?:and|or|,)\s*$")
+# What joins two boxes into one answer for lighteval: "and", "or" or a comma alone between them, or
+# between the math environments holding them ($\boxed{7}$ and $\boxed{42}$: the set {7, 42})
+BOX_SEPARATOR = re.compile(
+    r"^\s*(?:and|or|,)\s*$"
+    r"|^[^$\n]*(?:\$\$|\$|\\\)|\\\])\s*(?:and|or|,)\s*(?:\$\$|\$|\\\(|\\\[)[^$\n]*$"
+)
 PERCENT = UnevaluatedExpr(Rational(1, 100))  # how latex2sympy2_extended writes X% (X * 1/100)
 
 
 def grade_paper(completion: str, gold: str, gold_format: str) -> cwgrpo.Grade:
     """1.0 if lighteval's extractive match, as the paper's evaluation ran it, finds the completion's
     answer equal to the gold: any of its matches, an expression anywhere (the last number of an
-    unfinished completion too) or LaTeX, boxed first; an unparseable gold compared as its text."""
+    unfinished completion too) or LaTeX, boxed first; an unparseable gold compared as its text.
+    The completion's matches are tried for as long as it takes, as lighteval did (its limit was
+    each match's parse, not the search): math-verify 0.9's 5 s for the whole search gives up on
+    a long completion of many unparseable matches, where lighteval went on to a number; the
+    grading pool's hard limit (--reward-timeout-s) still bounds it."""
     cutoffs = LogCounter.installed("math_verify", "Timeout during")
     before = cutoffs.count
     modes = dict(fallback_mode="first_match", extraction_mode="any_match")
     try:
         gold_parsed = parse(gold, PAPER_GOLD[gold_format], **modes)
-        prediction = parse(last_boxes(completion), PAPER_PREDICTION, **modes)
+        prediction = parse(last_boxes(completion), PAPER_PREDICTION, **modes, parsing_timeout=None)
         golds = percent_valued(gold_parsed or [gold])
         accuracy = float(verify(golds, percent_valued(prediction), float_rounding=5))
     except Exception:  # noqa: BLE001 - a failure inside the grader is a wrong answer
@@ -176,9 +191,10 @@ def grade_paper(completion: str, gold: str, gold_format: str) -> cwgrpo.Grade:
 
 def last_boxes(text: str) -> str:
     """text with only its last box left boxed, or its last boxes where nothing but "and", "or" or
-    a comma stands between them: how latex2sympy2_extended 1.0.6 (the paper's) reads several
-    boxes; 1.11 (math-verify 0.9's) makes a set of boxes 70 characters apart, as \\boxed{7},
-    then \\boxed{42}. The earlier boxes keep their braces and content."""
+    a comma joins them (BOX_SEPARATOR): how lighteval at ed08481 with latex2sympy2_extended 1.0.6
+    (the paper's) reads several boxes; 1.11 (math-verify 0.9's) makes a set of boxes 70
+    characters apart, as \\boxed{7}, then \\boxed{42}. The earlier boxes keep their braces and
+    content."""
     boxes = [(m.start(), m.end(), closing_brace(text, m.end() - 1)) for m in BOX.finditer(text)]
     kept = len(boxes) - 1
     while kept > 0 and BOX_SEPARATOR.match(text[boxes[kept - 1][2] + 1 : boxes[kept][0]]):
@@ -230,9 +246,10 @@ def load_benchmark(name: str, cfg: EvalConfig) -> tuple[str, Benchmark, list[tup
     return name, bench, problems[: cfg.limit or None]
 
 
-def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path) -> dict:
+def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path, stop) -> dict:
     """Samples and grades every benchmark; finished problems are kept in <benchmark>.jsonl, so a
-    rerun after a crash only generates what is missing."""
+    rerun after a crash or a stop (`stop`: run_folder.StopRequest) only generates what is
+    missing."""
     precision = Precision.choose(cfg.precision, loading.resolve_device(cfg.device))
     n = 1 if cfg.protocol == "paper" else cfg.n
     benchmarks = [
@@ -253,74 +270,105 @@ def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path) -> dict:
     generate = sampler(model_path, tokenizer, cfg, precision, n=n, longest_prompt=longest)
     output_dir.mkdir(parents=True, exist_ok=True)  # once the benchmarks and the model have loaded
     grade = grade_paper if cfg.protocol == "paper" else cwgrpo.grade_accuracy
-    grader = cwgrpo.Grader(cfg.reward_timeout_s, cfg.reward_workers, grade=grade)
-    results = {}
-    for (name, bench, problems), prompts in zip(benchmarks, prompts_of):
-        progress_path = output_dir / f"{name}.jsonl"
-        settings = {
-            "model": str(Path(model_path).resolve()) if Path(model_path).exists() else model_path,
-            "weights": weights_fingerprint(model_path),
-            "benchmark": bench._asdict(),
-            "prompt_template": cfg.prompt_template,
-            "system_prompt": cfg.system_prompt,
-            "protocol": cfg.protocol,
-            "n": n,
-            "temperature": cfg.temperature,
-            "top_p": cfg.top_p,
-            "max_new_tokens": cfg.max_new_tokens,
-            "seed": cfg.seed,
-            "limit": cfg.limit,
-            "engine": cfg.engine,
-            "precision": precision.name,
+    with cwgrpo.Grader(cfg.reward_timeout_s, cfg.reward_workers, grade=grade) as grader:
+        return {
+            name: evaluate_benchmark(
+                name,
+                bench,
+                problems,
+                prompts=prompts,
+                generate=generate,
+                grader=grader,
+                settings=sample_settings(model_path, bench, cfg, n=n, precision=precision.name),
+                progress_path=output_dir / f"{name}.jsonl",
+                cfg=cfg,
+                stop=stop,
+            )
+            for (name, bench, problems), prompts in zip(benchmarks, prompts_of)
         }
-        done = finished_problems(progress_path, settings, cfg.overwrite)
-        todo = sorted(
-            (i for i in range(len(problems)) if i not in done), key=lambda i: len(prompts[i])
+
+
+def sample_settings(model_path: str, bench: Benchmark, cfg: EvalConfig, n: int, precision: str):
+    """What a benchmark's samples are made with: kept samples are reused only where these equal
+    (--limit and --batch-size choose which problems are sampled at once, not how)."""
+    return {
+        "model": str(Path(model_path).resolve()) if Path(model_path).exists() else model_path,
+        "weights": weights_fingerprint(model_path),
+        "benchmark": bench._asdict(),
+        "prompt_template": cfg.prompt_template,
+        "system_prompt": cfg.system_prompt,
+        "protocol": cfg.protocol,
+        "n": n,
+        "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
+        "max_new_tokens": cfg.max_new_tokens,
+        "seed": cfg.seed,
+        "engine": cfg.engine,
+        "precision": precision,
+    }
+
+
+def evaluate_benchmark(
+    name, bench, problems, prompts, generate, grader, settings, progress_path, cfg, stop
+) -> dict:
+    """One benchmark's problems sampled and graded, batch by batch, each written as it is done;
+    after a stop request (Ctrl-C, SIGTERM), the batch under way is the last."""
+    n = settings["n"]
+    started = time.perf_counter()
+    done = finished_problems(progress_path, settings, cfg.overwrite)  # kept, by index
+    todo = sorted((i for i in range(len(problems)) if i not in done), key=lambda i: len(prompts[i]))
+    with (
+        progress_path.open("a") as log,
+        tqdm(total=len(problems), initial=len(problems) - len(todo), desc=name) as bar,
+    ):
+        for start in range(0, len(todo), cfg.batch_size):
+            batch = todo[start : start + cfg.batch_size]  # similar lengths: little padding
+            torch.manual_seed(cfg.seed + batch[0])  # a problem's samples: not what ran before
+            how = cwgrpo.Sampling(
+                n, cfg.temperature, top_p=cfg.top_p, top_k=0, max_new_tokens=cfg.max_new_tokens
+            )
+            texts = generate([prompts[i] for i in batch], how).texts
+            all_grades = grader.map(
+                [
+                    (text, problems[batch[k // n]][1], bench.gold_format)
+                    for k, text in enumerate(texts)
+                ]
+            )  # n samples per problem
+            for j, i in enumerate(batch):
+                question, gold = problems[i]
+                completions = texts[j * n : (j + 1) * n]
+                grades = all_grades[j * n : (j + 1) * n]
+                done[i] = {
+                    "index": i,
+                    "prompt": question,
+                    "gold": gold,
+                    "completions": completions,
+                    "answers": [last_boxed(c) for c in completions],
+                    "correct": [g.accuracy == 1.0 for g in grades],
+                    "gold_parsed": all(g.gold_parsed for g in grades),
+                }
+                log.write(json.dumps(done[i]) + "\n")
+            log.flush()
+            bar.update(len(batch))
+            if stop.requested:
+                break
+    if stop.requested and any(i not in done for i in range(len(problems))):
+        kept = sum(i in done for i in range(len(problems)))
+        raise SystemExit(
+            f"stopped after {kept} of {len(problems)} problems of {name} (their samples "
+            f"kept in {progress_path}); continue with: {command(None, sys.argv[1:])}"
         )
-        with (
-            progress_path.open("a") as log,
-            tqdm(total=len(problems), initial=len(done), desc=name) as bar,
-        ):
-            for start in range(0, len(todo), cfg.batch_size):
-                batch = todo[start : start + cfg.batch_size]  # similar lengths: little padding
-                torch.manual_seed(cfg.seed + batch[0])  # a problem's samples: not what ran before
-                how = cwgrpo.Sampling(
-                    n, cfg.temperature, top_p=cfg.top_p, top_k=0, max_new_tokens=cfg.max_new_tokens
-                )
-                texts = generate([prompts[i] for i in batch], how).texts
-                all_grades = grader.map(
-                    [
-                        (text, problems[batch[k // n]][1], bench.gold_format)
-                        for k, text in enumerate(texts)
-                    ]
-                )  # n samples per problem
-                for j, i in enumerate(batch):
-                    question, gold = problems[i]
-                    completions = texts[j * n : (j + 1) * n]
-                    grades = all_grades[j * n : (j + 1) * n]
-                    done[i] = {
-                        "index": i,
-                        "prompt": question,
-                        "gold": gold,
-                        "completions": completions,
-                        "answers": [last_boxed(c) for c in completions],
-                        "correct": [g.accuracy == 1.0 for g in grades],
-                        "gold_parsed": all(g.gold_parsed for g in grades),
-                    }
-                    log.write(json.dumps(done[i]) + "\n")
-                log.flush()
-                bar.update(len(batch))
-        results[name] = summarise([done[i] for i in range(len(problems))], n)
-    return results
+    summary = summarise([done[i] for i in range(len(problems))], n)
+    return summary | {"seconds": time.perf_counter() - started}  # this run's, kept samples aside
 
 
 def sampler(model_path: str, tokenizer, cfg: EvalConfig, precision, n: int, longest_prompt: int):
     """generate(prompts, how) by the --engine: cwgrpo.py's loop over the model held in the
     precision's dtype, or a vLLM engine in it with the model's weights, which holds the longest
     prompt of the benchmarks plus --max-new-tokens."""
-    if cfg.engine == "hf":
+    if cfg.engine == "hf":  # each prompt prefilled once for its n samples, as in training
         model = loading.load_model(model_path, precision.dtype, precision.device).eval()
-        return functools.partial(cwgrpo.generate_completions, model, tokenizer)
+        return functools.partial(cwgrpo.generate_completions, model, tokenizer, share=True)
     engine = Engine(
         model_path,
         max_model_len=longest_prompt + cfg.max_new_tokens,
@@ -336,18 +384,20 @@ def sampler(model_path: str, tokenizer, cfg: EvalConfig, precision, n: int, long
 
 def finished_problems(progress_path: Path, settings: dict, overwrite: bool) -> dict:
     """The problems a previous run of the same settings finished, by index. The file's first line
-    records the settings it was made with; a file made with any other is never reused."""
-    if progress_path.exists() and not overwrite:
-        lines = progress_path.read_text().splitlines()
-        made_with = json.loads(lines[0]).get("settings") if lines else None
-        if made_with != settings:
-            differ = [k for k in settings if (made_with or {}).get(k) != settings[k]]
+    records the settings its samples were made with; samples made with any other are never
+    reused, and refused unless --overwrite. A file with no sample yet starts again."""
+    lines = progress_path.read_text().splitlines() if progress_path.exists() else []
+    kept = {r["index"]: r for r in map(json.loads, lines[1:])}
+    if kept and not overwrite:
+        made_with = json.loads(lines[0]).get("settings") or {}
+        differ = [k for k in settings if made_with.get(k, settings[k]) != settings[k]]
+        if differ:
             raise SystemExit(
-                f"error: {progress_path} holds samples made with other settings "
-                f"({', '.join(differ) or 'none recorded'} differ); pass --overwrite "
-                f"to recompute them, or choose another --output-dir"
+                f"error: {progress_path} holds {len(kept)} problems' samples made with other "
+                f"settings ({', '.join(differ)} differ); pass --overwrite to recompute them, "
+                "or choose another --output-dir"
             )
-        return {r["index"]: r for r in map(json.loads, lines[1:])}
+        return kept
     progress_path.write_text(json.dumps({"settings": settings}) + "\n")
     return {}
 
@@ -459,15 +509,16 @@ def write_results(output_dir: Path, model_path: str, cfg: EvalConfig, results: d
     )
 
 
-def evaluate_checkpoints(cfg: EvalConfig, output_dir: Path) -> None:
+def evaluate_checkpoints(cfg: EvalConfig, output_dir: Path, device: torch.device, stop) -> None:
     """The paper's checkpoint ablation: every benchmark at every checkpoint, a table and a plot."""
     paths = sorted(glob.glob(cfg.checkpoints), key=checkpoint_step)
     if not paths:
         raise SystemExit(f"error: no checkpoint matches '{cfg.checkpoints}'")
+    threads.set_for(cfg.threads, paths[0], device)
     table = {}
     for path in paths:
         step_dir = output_dir / Path(path).name
-        table[checkpoint_step(path)] = evaluate_model(path, cfg, step_dir)
+        table[checkpoint_step(path)] = evaluate_model(path, cfg, step_dir, stop)
         write_results(step_dir, path, cfg, table[checkpoint_step(path)])
     names = list(next(iter(table.values())))
     lines = [
@@ -494,18 +545,32 @@ def default_output_dir(source: str) -> Path:
 
 
 def main(cfg: EvalConfig) -> None:
-    loading.resolve_device(cfg.device)  # --device cuda without a GPU: one line, before loading
+    """The evaluation cfg asks for. The first Ctrl-C (or SIGTERM) stops it after the batch under
+    way, its samples kept, with the command that continues; a second one at once."""
+    device = loading.resolve_device(cfg.device)  # --device cuda without a GPU: one line, at once
     transformers.utils.logging.disable_progress_bar()
     source = cfg.model or cfg.checkpoints
     output_dir = Path(cfg.output_dir or default_output_dir(source))
+    try:
+        with StopRequest() as stop:
+            evaluate(cfg, output_dir, device, stop)
+    except KeyboardInterrupt:  # the second stop signal
+        raise SystemExit(
+            "interrupted: the batch under way is lost, those before it kept; continue with: "
+            + command(None, sys.argv[1:])
+        ) from None
+
+
+def evaluate(cfg: EvalConfig, output_dir: Path, device: torch.device, stop) -> None:
     if cfg.checkpoints:
-        evaluate_checkpoints(cfg, output_dir)
+        evaluate_checkpoints(cfg, output_dir, device, stop)
         print((output_dir / "checkpoints.md").read_text())
         print(f"written: {output_dir / 'checkpoints.md'} and {output_dir / 'checkpoints.png'}")
         return
     model = preset_models.ready(cfg.model)  # a CPU preset's model, built here on first use
     loading.check_model_path(model)  # before the output folder exists
-    results = evaluate_model(model, cfg, output_dir)
+    threads.set_for(cfg.threads, model, device)
+    results = evaluate_model(model, cfg, output_dir, stop)
     write_results(output_dir, cfg.model, cfg, results)
     print((output_dir / "results.md").read_text())
     print(f"written: {output_dir / 'results.json'} and {output_dir / 'results.md'}")

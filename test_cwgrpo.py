@@ -31,6 +31,9 @@ from tools.diagnose import step_gradient
 
 CPU = torch.device("cpu")
 FP32 = Precision.choose("auto", CPU)  # what a run on the CPU computes in
+# One thread: the tests' tensors are small, and beside another busy process a second thread
+# makes them several times slower (docs/performance.md, "Threads on a shared CPU")
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

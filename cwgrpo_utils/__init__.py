@@ -27,13 +27,14 @@ Each module knows nothing of cwgrpo and never imports it (as cleanRL keeps clean
   - smollm2: the real-model presets' tasks, and their model built from a GGUF where the hub is off
 
 This file holds the constants read before torch is imported: the clone's root, the precisions,
-Open-RS's system prompt.
+the evaluation's temperature, Open-RS's system prompt.
 """
 
 from pathlib import Path
 
 REPOSITORY = Path(__file__).resolve().parent.parent  # the clone's root, whatever the working folder
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")  # --precision's choices (precision.py)
+EVALUATION_TEMPERATURE = 0.6  # the paper's evaluation samples at it (docs/math.md, "Evaluation")
 # The system prompt Open-RS trains with (the paper's training data)
 OPEN_RS_SYSTEM_PROMPT = (
     "A conversation between User and Assistant. The user asks a question, and the Assistant solves "

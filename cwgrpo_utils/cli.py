@@ -87,7 +87,19 @@ def check_ranges(options) -> None:
             raise SystemExit(f"error: --{f.name.replace('_', '-')} must be {rule}; got {value}")
 
 
-class Parser(HfArgumentParser):
+class OneLineErrors:
+    """An argparse parser whose bad value or choice is one line, as every other bad input: no
+    usage block above it, and the exit code of every other refusal (1)."""
+
+    def error(self, message: str):
+        raise SystemExit(f"error: {message}")
+
+
+class PresetParser(OneLineErrors, argparse.ArgumentParser):
+    """Reads --preset alone, before the rest, whose defaults it sets."""
+
+
+class Parser(OneLineErrors, HfArgumentParser):
     """HfArgumentParser without abbreviations, whose --no_x options say what they do and whose
     `hidden` options stay out of --help. given_only: no option has a default, so what it parses
     holds only what the command line gave."""
@@ -118,10 +130,6 @@ class Parser(HfArgumentParser):
             options["default"] = argparse.SUPPRESS
         return options
 
-    def error(self, message: str):
-        """A bad value is one line, as every other bad input: no usage block above it."""
-        raise SystemExit(f"error: {message}")
-
 
 def parse_dataclasses(
     types, argv: list, presets: dict | None = None, hidden: tuple = (), **parser_options
@@ -132,7 +140,7 @@ def parse_dataclasses(
     types = list(types) if isinstance(types, (list, tuple)) else [types]
     parser = Parser(types, hidden, **parser_options)
     if presets:
-        preset_parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+        preset_parser = PresetParser(add_help=False, allow_abbrev=False)
         preset_parser.add_argument("--preset", default=next(iter(presets)), choices=list(presets))
         preset = preset_parser.parse_known_args(argv)[0].preset
         parser.set_defaults(**presets[preset])

@@ -21,7 +21,17 @@ from pathlib import Path
 
 import torch
 
-from cwgrpo_utils import REPOSITORY, checkpoints, lora, memory_plan, plots, preset_models, tiny
+from cwgrpo_utils import (
+    EVALUATION_TEMPERATURE,
+    REPOSITORY,
+    checkpoints,
+    lora,
+    memory_plan,
+    plots,
+    preset_models,
+    threads,
+    tiny,
+)
 from cwgrpo_utils.cli import command, shown_path
 from cwgrpo_utils.loading import check_model_path, resolve_device
 from cwgrpo_utils.memory_plan import OutOfMemory, PlanOptions
@@ -45,7 +55,6 @@ class Run:
         gpu_recipe = "" if cfg.preset in CPU_PRESETS else cfg.preset
         self.device = resolve_device(run_cfg.device, gpu_recipe)
         self.precision = Precision.choose(run_cfg.precision, self.device)  # by the card
-        torch.set_num_threads(run_cfg.threads or torch.get_num_threads())
         print(run_header(cfg, run_cfg, self.precision.reason), flush=True)
         plots.pyplot()  # fail now, not at the first checkpoint, if matplotlib is missing
         self.folder = RunFolder.for_run(cfg, run_cfg)
@@ -67,6 +76,7 @@ class Run:
                     self.cfg.model, PlanOptions.of(self.cfg, self.run_cfg), self.gpu_recipes()
                 )
             check_model_path(self.cfg.model)
+            self.threads = threads.set_for(self.run_cfg.threads, self.cfg.model, self.device)
         except BaseException as error:
             self.folder.__exit__(type(error), error, error.__traceback__)
             raise
@@ -108,6 +118,7 @@ class Run:
         dropped; then it says what it loads."""
         self.folder.start(
             torch_threads=torch.get_num_threads(),
+            threads_because=self.threads,
             reward_workers_used=grader.size,
             precision_used=self.precision.reason,
         )
@@ -201,7 +212,8 @@ class Run:
         checkpoints.save_checkpoint(self.path, "final-model", model=final, tokenizer=tokenizer)
 
     def summary(self) -> str:
-        return run_summary(self.path, time.perf_counter() - self.started, self.cfg.preset)
+        wall_s = time.perf_counter() - self.started
+        return run_summary(self.path, wall_s, self.cfg.preset, resumed_from=self.resume_from)
 
 
 def run_header(cfg, run_cfg: RunConfig, precision: str) -> str:
@@ -216,17 +228,24 @@ def run_header(cfg, run_cfg: RunConfig, precision: str) -> str:
 SUMMARY_KEYS = ("reward_mean", "accuracy_mean", "format_mean", "entropy_mean", "kl_mean")
 
 
-def run_summary(output_dir: Path, wall_s: float, preset: str) -> str:
+def run_summary(output_dir: Path, wall_s: float, preset: str, resumed_from=None) -> str:
     """What a run did, in a few lines: first -> last 10% of each curve (the format's only where the
-    reward counts it), its wall time, where its checkpoints, final model and pictures are, and the
-    command that evaluates its final model (on a CPU preset's own held-out set)."""
-    evaluate_command = command(
-        str(REPOSITORY / "evaluate.py"), final_model_evaluation(output_dir, preset)
-    )
+    reward counts it), its wall time (a resumed run's: this part's, and the steps' of the whole
+    run), where its checkpoints, final model and pictures are, and the commands that evaluate its
+    final model (on a CPU preset's own held-out set)."""
     records = read_records(output_dir / "metrics.jsonl")
     options = json.loads((output_dir / "run_config.json").read_text())
+    evaluation = [str(REPOSITORY / "evaluate.py"), final_model_evaluation(output_dir, preset)]
+    trained_at = f"{options['temperature']:g}"
+    took = f"done in {wall_s:.0f} s"
+    if resumed_from is not None:  # the steps' own times, each rollout counted once
+        batches = {r["rollout_step"]: r["rollout_s"] for r in records}
+        steps_s = sum(batches.values()) + sum(r["update_s"] for r in records)
+        took += (
+            f" (this part, resumed from {resumed_from.name}; the whole run's steps {steps_s:.0f} s)"
+        )
     out = [
-        f"done in {wall_s:.0f} s; first -> last 10% of {len(records)} steps "
+        f"{took}; first -> last 10% of {len(records)} steps "
         f"(completions sampled at temperature {options['temperature']:g}):"
     ]
     for key in SUMMARY_KEYS:
@@ -256,7 +275,9 @@ def run_summary(output_dir: Path, wall_s: float, preset: str) -> str:
             f"checkpoints: {', '.join(map(str, kept))}",
             f"final model: {output_dir / 'final-model'}",
             f"pictures:    {output_dir / 'curves.png'} and {output_dir / 'tokens.html'}",
-            f"evaluate it: {evaluate_command} (at evaluate.py's own --temperature, which its "
-            "results state)",
+            f"evaluate it: {command(*evaluation)} (samples at the paper's evaluation "
+            f"temperature, {EVALUATION_TEMPERATURE:g})",
+            f"  or at its training temperature, {trained_at}: "
+            f"{command(evaluation[0], [*evaluation[1], '--temperature', trained_at])}",
         ]
     )

@@ -4,6 +4,7 @@ memory and speed options, the vLLM sampler and LoRA. The command line is one fla
 --help shows these in a group of their own. Light on purpose: read before torch is imported."""
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from cwgrpo_utils import PRECISIONS, trackers
@@ -29,7 +30,7 @@ class RunConfig:
     # Device, precision, threads
     device: str = arg("auto", "auto (cuda if present), cuda or cpu")
     precision: Literal[PRECISIONS] = arg("auto", "auto: bf16 on CUDA 8.0+, fp16 on 7.x, CPU fp32")
-    threads: int = arg(0, "CPU threads of torch; 0: torch's default", ">= 0")
+    threads: int = arg(0, "CPU threads of torch; 0: chosen for the model and idle cores", ">= 0")
     reward_workers: int = arg(0, "grading processes; 0: one per core, at most 8", ">= 0")
     # Memory and speed: how much is computed at once, not what
     groups_per_micro_batch: int = arg(1, "whole groups per forward/backward; 0: all", ">= 0")
@@ -53,3 +54,13 @@ class RunConfig:
             require("vllm", "--rollout vllm")
             require_engine_in_process("--rollout vllm")
         trackers.check(self.report_to)
+
+
+def check_output_dir(output_dir: str, resume: bool, overwrite: bool) -> None:
+    """A folder that holds a run takes no new one: one line, before anything loads, unless
+    --resume continues it or --overwrite-output-dir starts afresh."""
+    if (Path(output_dir) / "metrics.jsonl").exists() and not resume and not overwrite:
+        raise SystemExit(
+            f"error: {output_dir} already holds a run; pass --resume to continue it, "
+            "--overwrite-output-dir to start afresh, or choose another --output-dir"
+        )

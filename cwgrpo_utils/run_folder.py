@@ -26,7 +26,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from cwgrpo_utils import checkpoints
-from cwgrpo_utils.cli import warn_once
+from cwgrpo_utils.cli import dashed, warn_once
+from cwgrpo_utils.run_config import check_output_dir
 from cwgrpo_utils.trackers import Trackers
 
 # The options a resumed run may change, none of them its recipe: more --steps extend it (the
@@ -46,6 +47,17 @@ RESUME_MAY_CHANGE = (
     "share_prompts",
     "logit_chunk_elements",
     "vllm_gpu_memory_utilization",
+    "threads",
+)
+# Of those, what changes how the run computes (its floating-point rounding), not what; the
+# threads as the run used them (run_config.json's torch_threads), not as asked
+COMPUTES_DIFFERENTLY = (
+    "torch_threads",
+    "rollout_chunk",
+    "groups_per_micro_batch",
+    "gradient_checkpointing",
+    "share_prompts",
+    "logit_chunk_elements",
 )
 
 
@@ -212,14 +224,20 @@ def prepare_output_dir(
         }
         recorded.setdefault("resumes", []).append({"from": resume_from.name, "changed": changed})
         write_atomically(record, json.dumps(recorded, indent=2))
-        return
-    if (output_dir / "metrics.jsonl").exists():
-        if not overwrite:
-            raise SystemExit(
-                f"error: {output_dir} already holds a run; pass --resume to continue "
-                f"it, --overwrite-output-dir to start afresh, or choose another "
-                f"--output-dir"
+        how = [
+            f"{'torch threads' if k == 'torch_threads' else dashed(k)} {now} (was {was})"
+            for k, (was, now) in changed.items()
+            if k in COMPUTES_DIFFERENTLY
+        ]
+        if how:
+            print(
+                f"note: resumed with {', '.join(how)}: that changes how the run computes, not "
+                "what, so its records may differ from an uninterrupted run's in the last bits "
+                "(with --rollout-chunk, in the samples drawn)"
             )
+        return
+    check_output_dir(output_dir, resume=False, overwrite=overwrite)  # as at parse time
+    if (output_dir / "metrics.jsonl").exists():  # --overwrite-output-dir
         for entry in output_dir.iterdir():
             if entry.name != ".lock":
                 shutil.rmtree(entry) if entry.is_dir() else entry.unlink()

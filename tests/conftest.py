@@ -4,10 +4,15 @@ import json
 import shutil
 
 import pytest
+import torch
 
 import cwgrpo
 from cwgrpo_utils import tiny
 from tests.support import FEATURES, ROLLOUT
+
+# One thread, as the runs the tests start choose for the tiny models: beside another busy process
+# a second one makes them several times slower (docs/performance.md, "Threads on a shared CPU")
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

@@ -109,7 +109,7 @@ def run_cli(*args, timeout=600):
 def evaluate_as_printed(run_output: str, *extra, cwd: Path, env: dict):
     """The `evaluate it:` command a finished run printed, run as printed (with this venv's
     python) from `cwd`, with `extra` options."""
-    printed = run_output.split("evaluate it: ")[1].split(" (at evaluate.py")[0]
+    printed = run_output.split("evaluate it: ")[1].split(" (samples at")[0]
     return subprocess.run(
         [sys.executable, *shlex.split(printed)[1:], *extra],
         capture_output=True,

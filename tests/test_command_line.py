@@ -2,13 +2,15 @@
 value or a missing optional package is one line, before anything loads."""
 
 import importlib.util
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 import cwgrpo
-from cwgrpo_utils import cli
+from cwgrpo_utils import cli, threads
 from cwgrpo_utils.cli import OPTIONAL
 from cwgrpo_utils.run_config import RunConfig
 from tests.support import ROOT, load_evaluate, run_cli
@@ -179,3 +181,77 @@ def test_rollout_vllm_without_vllm_stops_at_parse_time_in_one_line(tmp_path):
     assert not (tmp_path / "r").exists()
     with pytest.raises(SystemExit, match="--engine vllm needs vLLM"):
         evaluate.parse_config(["--model", str(tmp_path), "--engine", "vllm"])
+
+
+REFUSED_AT_ONCE = {  # (command line, the start of its one line) for typos in both commands
+    "a preset": (["cwgrpo.py", "--preset", "tnyi"], "error: argument --preset: invalid choice"),
+    "a method": (["cwgrpo.py", "--method", "cww"], "error: argument --method: invalid choice"),
+    "an option": (["cwgrpo.py", "--lerning-rate", "1"], "error: unknown option --lerning-rate"),
+    "a range": (["cwgrpo.py", "--group-size", "1"], "error: --group-size must be >= 2; got 1"),
+    "an occupied folder": (["cwgrpo.py", "--preset", "tiny", "--output-dir"], "error: "),
+    "a protocol": (["evaluate.py", "--model", "m", "--protocol", "papr"], "error: argument --"),
+    "an evaluate option": (["evaluate.py", "--modle", "m"], "error: unknown option --modle"),
+    "an evaluate range": (["evaluate.py", "--model", "m", "--n", "0"], "error: --n must be > 0"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED_AT_ONCE)
+def test_bad_input_to_either_command_is_one_line_and_exit_code_1_before_torch_loads(case, tmp_path):
+    """Where torch cannot be imported (a stand-in that fails), every refusal still answers: it
+    comes before torch and transformers' models load, in the same form and code for both."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('torch was imported')")
+    occupied = tmp_path / "run"
+    occupied.mkdir()
+    (occupied / "metrics.jsonl").write_text("{}\n")
+    argv, start = REFUSED_AT_ONCE[case]
+    argv = [*argv, str(occupied)] if argv[-1] == "--output-dir" else argv
+    done = subprocess.run(
+        [sys.executable, str(ROOT / argv[0]), *argv[1:]],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"},
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.startswith(start) and done.stderr.count("\n") == 1, done.stderr
+    if case == "an occupied folder":
+        assert done.stderr == (
+            f"error: {occupied} already holds a run; pass --resume to continue it, "
+            "--overwrite-output-dir to start afresh, or choose another --output-dir\n"
+        )
+
+
+def test_threads_0_chooses_one_for_a_small_model_and_the_idle_cores_for_a_large_one(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    tiny, smollm2 = 115_000, 134_515_008
+    assert threads.choose(0, tiny, on_gpu=False) == (
+        1,
+        "a 0.1 M-parameter model: a second thread does not pay; --threads N to choose",
+    )
+    monkeypatch.setattr(threads, "idle_cores", lambda: 1.9)  # a quiet machine
+    assert threads.choose(0, smollm2, on_gpu=False)[0] == 2
+    monkeypatch.setattr(threads, "idle_cores", lambda: 0.9)  # beside one busy process
+    assert threads.choose(0, smollm2, on_gpu=False) == (
+        1,
+        "a 134.5 M-parameter model: 1 of its 2 cores were idle at the start; --threads N to choose",
+    )
+    assert threads.choose(3, tiny, on_gpu=False) == (3, "--threads 3")
+    assert threads.choose(0, smollm2, on_gpu=True) == (None, "torch's default: the GPU computes")
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert threads.choose(0, tiny, on_gpu=False) == (None, "OMP_NUM_THREADS=4")
+
+
+def test_idle_cores_sees_busy_processes():
+    """With a spinning process for every core and one more, no core is idle (whatever else runs
+    beside the test)."""
+    spinning = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(threads.usable_cores() + 1)
+    ]
+    try:
+        time.sleep(0.5)
+        assert threads.idle_cores(0.5) < 0.5
+    finally:
+        for process in spinning:
+            process.kill()
+            process.wait()

@@ -131,3 +131,22 @@ def test_every_relative_link_and_image_in_the_docs_resolves():
             elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
                 broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
     assert not broken, "\n".join(broken)
+
+
+def collected(*paths: str) -> int:
+    """How many tests pytest collects from paths, as the README's commands run them."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", *paths],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env={k: v for k, v in os.environ.items() if not k.startswith("CWGRPO_TEST_")},
+    )  # fmt: skip
+    return int(re.search(r"(\d+) tests? collected", done.stdout).group(1))
+
+
+def test_the_readme_counts_the_tests_it_names():
+    readme = (ROOT / "README.md").read_text()
+    focused = re.search(r"The focused tests \((\d+)[,;]", readme)
+    system = re.search(r"`python -m pytest -q tests` \((\d+) more", readme)
+    assert focused and system, "the README names no count where this test reads one"
+    assert int(focused.group(1)) == collected("test_cwgrpo.py")
+    assert int(system.group(1)) == collected("tests")

@@ -1,15 +1,21 @@
 """System tests of evaluate.py: pass@k by hand, each benchmark's gold form, an evaluation that
-resumes, refuses other settings' samples, and fails in one line leaving no folder."""
+resumes, stops on Ctrl-C with its samples kept, reuses the samples its settings match and refuses
+those they conflict with, and fails in one line leaving no folder."""
 
 import json
+import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import cwgrpo
 from cwgrpo import Grader
+from cwgrpo_utils.cli import shown_path
 from tests.support import ROOT, load_evaluate
 
 evaluate = load_evaluate()
@@ -132,6 +138,40 @@ def test_each_protocol_grades_as_its_reference_does(
     assert evaluate.grade_paper(completion, gold, gold_format).accuracy == paper
     assert cwgrpo.grade_accuracy(completion, gold, gold_format).accuracy == robust
     assert cwgrpo.grade_accuracy(completion, gold).accuracy == training
+
+
+# The paper protocol where evaluate.py once read otherwise than lighteval at the commit the
+# released code pins (ed084813; latex2sympy2_extended 1.0.6, run beside on 2026-12-06): boxes
+# in math environments joined by "and", "or" or a comma are one answer, a set; and a long
+# completion of many unparseable matches is searched to its end (math-verify 0.9 gives up after
+# 5 s of searching, lighteval did not), where it finds a number
+UNPARSEABLE_TAIL = (
+    "The number 7 is prime. "
+    + "We keep going without any conclusion here. " * 1200
+    + "$\\sqrt{a^{2} + b^{2}} =$ " * 700
+)  # 69,123 characters, about 6 s to search
+ED084813_CASES = [  # completion, gold, gold form, lighteval's verdict
+    ("$\\boxed{7}$ and $\\boxed{42}$", "42", "expr", 0),  # the set {7, 42}: neither alone
+    ("$\\boxed{7}$ and $\\boxed{42}$", "7", "expr", 0),
+    ("$\\boxed{7}$, $\\boxed{42}$", "42", "expr", 0),
+    ("\\(\\boxed{7}\\) and \\(\\boxed{42}\\)", "42", "expr", 0),
+    ("\\[\\boxed{7}\\] or \\[\\boxed{42}\\]", "42", "expr", 0),
+    ("$x = \\boxed{7}$ and $y = \\boxed{42}$", "42", "expr", 0),
+    ("$\\boxed{7}$ and $\\boxed{42}$", "$7$ and $42$", "latex", 1),  # a gold that lists them
+    ("\\(\\boxed{7}\\) and \\(\\boxed{42}\\)", "$7$ and $42$", "latex", 1),
+    ("$\\boxed{7}$ then $\\boxed{42}$", "42", "expr", 1),  # "then" joins nothing: the last
+    ("$\\boxed{7}$ then $\\boxed{42}$", "$7$ and $42$", "latex", 0),
+    ("So $\\boxed{7}$. Then $\\boxed{42}$", "42", "expr", 1),
+    (UNPARSEABLE_TAIL, "7", "expr", 1),  # no final answer: the number found in the text
+    (UNPARSEABLE_TAIL, "3", "expr", 0),
+]
+
+
+@pytest.mark.parametrize("completion,gold,gold_format,verdict", ED084813_CASES)
+def test_the_paper_protocol_grades_as_lighteval_at_the_pinned_commit(
+    completion, gold, gold_format, verdict
+):
+    assert evaluate.grade_paper(completion, gold, gold_format).accuracy == verdict
 
 
 def test_the_paper_reads_several_boxes_and_percents_as_its_pinned_versions_did():
@@ -339,3 +379,78 @@ def test_a_model_that_is_nowhere_is_one_line_and_leaves_no_folder(tmp_path):
         "the hub cannot be reached from here, so only what is cached loads"
     )
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_with_other_settings_reuses_what_matches_and_names_what_conflicts(tiny_run, tmp_path):
+    args, out = doubling_benchmark(tmp_path, 6, tiny_run / "final-model", 2)
+    progress = out / "arith.jsonl"
+    evaluate.main(evaluate.parse_config([*args, "--limit", "4"]))
+    four = progress.read_text().splitlines()
+    assert len(four) == 1 + 4
+    evaluate.main(evaluate.parse_config([*args, "--limit", "2"]))  # fewer: nothing sampled
+    assert progress.read_text().splitlines() == four
+    results = json.loads((out / "results.json").read_text())["benchmarks"]["arith"]
+    assert results["problems"] == 2
+    evaluate.main(evaluate.parse_config(args))  # all six: the two missing sampled
+    six = progress.read_text().splitlines()
+    assert len(six) == 1 + 6 and six[:5] == four
+    with pytest.raises(SystemExit) as refused:
+        evaluate.main(evaluate.parse_config([*args, "--temperature", "1.0"]))
+    assert str(refused.value) == (
+        f"error: {progress} holds 6 problems' samples made with other settings (temperature "
+        "differ); pass --overwrite to recompute them, or choose another --output-dir"
+    )
+
+
+def test_a_file_holding_no_sample_yet_is_no_conflict(tiny_run, tmp_path):
+    """A stop before the first batch was written leaves only the settings line: any run may
+    start there again."""
+    args, out = doubling_benchmark(tmp_path, 2, tiny_run / "final-model", 2)
+    out.mkdir()
+    (out / "arith.jsonl").write_text(json.dumps({"settings": {"n": 99, "temperature": 9}}) + "\n")
+    evaluate.main(evaluate.parse_config(args))
+    settings = json.loads((out / "arith.jsonl").read_text().splitlines()[0])["settings"]
+    assert settings["n"] == 2 and settings["temperature"] == 0.6
+
+
+def test_ctrl_c_stops_after_the_batch_keeps_its_samples_and_prints_the_command_that_continues(
+    tiny_run, tmp_path
+):
+    args, out = doubling_benchmark(tmp_path, 40, tiny_run / "final-model", 2)
+    command = [sys.executable, str(ROOT / "evaluate.py"), *args, "--batch-size", "1"]
+    running = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    progress = out / "arith.jsonl"
+    deadline = time.time() + 600  # a hang guard
+    while time.time() < deadline and (
+        not progress.exists() or len(progress.read_text().splitlines()) < 3
+    ):
+        time.sleep(0.05)
+    running.send_signal(signal.SIGINT)
+    _, stderr = running.communicate(timeout=600)
+    assert running.returncode == 1 and "Traceback" not in stderr, stderr
+    last = stderr.strip().splitlines()[-1]
+    kept = len(progress.read_text().splitlines()) - 1
+    assert 2 <= kept < 40
+    assert last.startswith(f"stopped after {kept} of 40 problems of arith (their samples kept")
+    printed = last.split("continue with: ")[1]
+    assert printed == shlex.join(["python", shown_path(str(ROOT / "evaluate.py")), *command[2:]])
+    again = subprocess.run(
+        [sys.executable, *shlex.split(printed)[1:]], capture_output=True, text=True, timeout=600
+    )
+    assert again.returncode == 0, again.stderr
+    indices = [json.loads(line)["index"] for line in progress.read_text().splitlines()[1:]]
+    assert sorted(indices) == list(range(40))  # each problem once: the kept ones not redone
+
+
+def test_evaluate_sets_its_threads_as_the_trainer_does(tiny_run, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # CI's: it would choose for them
+    args, _ = doubling_benchmark(tmp_path, 1, tiny_run / "final-model", 1)
+    threads = torch.get_num_threads()
+    try:
+        evaluate.main(evaluate.parse_config([*args, "--threads", "2"]))
+        assert torch.get_num_threads() == 2
+        assert "threads: 2 (--threads 2)" in capsys.readouterr().out
+        evaluate.main(evaluate.parse_config([*args, "--overwrite"]))
+        assert torch.get_num_threads() == 1  # a tiny model: one thread
+    finally:
+        torch.set_num_threads(threads)

@@ -404,7 +404,11 @@ def test_a_run_says_what_it_does_and_what_it_did(tiny_args, tmp_path):
     assert lines[1].startswith("  8 prompts x G = 8 per step, 2 steps, beta 0.04")
     summary = lines[lines.index(next(x for x in lines if x.startswith("done in "))) :]
     assert [x.split()[0] for x in summary[1:6]] == ["reward", "accuracy", "format", "entropy", "kl"]
-    assert summary[-1].startswith(f"evaluate it: python evaluate.py --model {tmp_path}")
+    evaluate = f"python evaluate.py --model {tmp_path / 'run' / 'final-model'}"
+    assert summary[-2].startswith(f"evaluate it: {evaluate} ")
+    assert summary[-2].endswith(" (samples at the paper's evaluation temperature, 0.6)")
+    assert summary[-1].startswith(f"  or at its training temperature, 1: {evaluate} ")
+    assert summary[-1].endswith(" --temperature 1")
 
 
 def test_import_cwgrpo_loads_no_plotting_library():
@@ -800,6 +804,30 @@ def test_a_resume_with_other_options_is_refused_and_the_record_kept(tiny_args, t
     assert again.returncode == 0
     assert f"nothing to do: {out} has finished its 5 steps" in again.stdout
     assert "done in" not in again.stdout  # no retraining, no summary
+
+
+def test_a_resume_may_change_the_threads_says_so_and_its_summary_says_what_it_counts(
+    tiny_args, tmp_path
+):
+    """Threads say how a run computes, not what: a resume may change them, in one line that says
+    what that may do to its records; its closing time is this part's, beside the whole run's."""
+    out = tmp_path / "run"
+    options = [*tiny_args, "--save-every", "2", "--output-dir", str(out)]
+    first = run_cli(*options, "--steps", "2")
+    assert first.returncode == 0, first.stderr
+    assert "threads: 1 (" in first.stdout  # a tiny model's, or OMP_NUM_THREADS's (CI's)
+    resumed = run_cli(*options, "--steps", "4", "--threads", "2", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "threads: 2 (--threads 2)" in resumed.stdout
+    assert (
+        "note: resumed with torch threads 2 (was 1): that changes how the run computes, not what, "
+        "so its records may differ from an uninterrupted run's in the last bits" in resumed.stdout
+    )
+    records = run_folder.read_records(out / "metrics.jsonl")  # with their timings
+    steps_s = sum({r["rollout_step"]: r["rollout_s"] for r in records}.values())
+    steps_s += sum(r["update_s"] for r in records)
+    done = next(line for line in resumed.stdout.splitlines() if line.startswith("done in "))
+    assert f"(this part, resumed from checkpoint-2; the whole run's steps {steps_s:.0f} s)" in done
 
 
 @pytest.mark.parametrize(
