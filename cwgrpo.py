@@ -4,7 +4,7 @@ file that reads in the order a training step runs; docs/math.md has every formul
 
     Config, then one step's sections:  1 sampling  2 reward  3 log-probs  4 group advantages
     5 the methods' token weights  6 the loss  7 the optimizer;  then the training loop, which runs
-    them in that order
+    them in that order, and main
 
     python cwgrpo.py --method cw --preset tiny   # CW-GRPO on a tiny model, in a minute on a CPU
     python cwgrpo.py --method cw                 # the paper's 1.5B recipe (one CUDA GPU)
@@ -21,7 +21,7 @@ from typing import Callable, Literal
 from cwgrpo_utils import OPEN_RS_SYSTEM_PROMPT, cli
 from cwgrpo_utils.cli import arg
 from cwgrpo_utils.presets import PRESETS
-from cwgrpo_utils.run_config import RunConfig, check_output_dir
+from cwgrpo_utils.run_config import RunConfig, check_output_dir, micro_batch_rows, parse_run
 
 # Config -------------------------------------------------------------------------------------------
 # --method's choices, in the order section 5 defines them, and the Config fields each reads
@@ -133,31 +133,20 @@ class Config:
 
 def parse_config(argv=None, *extra, hidden: tuple = (), prog: str | None = None) -> list:
     """[the algorithm's Config, the run's RunConfig, and one of each dataclass a tool adds] from
-    the command line, the --preset's values as defaults; `hidden` options are left out of a tool's
-    --help."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    about = __doc__.split("\n\n")[0]
-    parsed, given = cli.parse_dataclasses(
-        [Config, RunConfig, *extra],
-        argv,
-        presets=PRESETS,
+    the command line, the --preset's values as defaults; `hidden` options stay out of --help."""
+    parsed = parse_run(
+        Config,
+        sys.argv[1:] if argv is None else list(argv),
+        *extra,
+        method_options=METHOD_OPTIONS,
+        readings=CW_READINGS,
         hidden=hidden,
-        description=about,
+        description=__doc__.split("\n\n")[0],
         prog=prog,
     )
-    cfg, run_cfg = parsed[:2]
-    cli.check_implied(given, "cw_reading", CW_READINGS)  # a reading names three choices
-    cli.note_unused(given, "method", cfg.method, options_of=METHOD_OPTIONS)
-    groups, per_micro_batch = cfg.prompts_per_step, run_cfg.groups_per_micro_batch
-    cli.check(
-        groups % (per_micro_batch or groups) == 0,
-        f"--prompts-per-step ({groups}) must be a multiple of --groups-per-micro-batch "
-        f"({per_micro_batch})",
-    )
-    if cfg.method == "kl_cov" and cfg.num_iterations == 1:
+    if parsed[0].method == "kl_cov" and parsed[0].num_iterations == 1:
         note = "note: kl_cov's |logp - old_logp| is 0 with one update per batch: it trains as GRPO"
         cli.warn_once(note, note + "; use --num-iterations 2")
-    run_cfg.output_dir = run_cfg.output_dir or f"runs/{cfg.method}-{cfg.preset}-seed{cfg.seed}"
     return parsed
 
 
@@ -167,9 +156,7 @@ if __name__ == "__main__":  # --help and bad options answer here, before the hea
         check_output_dir(RUN_CONFIG.output_dir, RUN_CONFIG.resume, RUN_CONFIG.overwrite_output_dir)
 
 # What a run needs once its command line is known (pyproject.toml lets these follow the Config)
-import functools
 import math
-import os
 import random
 from pathlib import Path
 from typing import NamedTuple
@@ -179,41 +166,26 @@ import transformers
 from latex2sympy2_extended import NormalizationConfig
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-from cwgrpo_utils import fast_logprobs, loading, lora, metrics
-from cwgrpo_utils.batch import Rows
-from cwgrpo_utils.grading_pool import CachedTimeoutPool, LogCounter
-from cwgrpo_utils.lm_head import ict_divergence
-from cwgrpo_utils.prompts import PromptStream
+from cwgrpo_utils import loading, lora, metrics, shared_prompt
+from cwgrpo_utils.batch import Rows, per_row, whole_batch
+from cwgrpo_utils.grading_pool import Grader, LogCounter
+from cwgrpo_utils.lm_head import ict_divergence, valid_logprobs
 from cwgrpo_utils.run import Run
-from cwgrpo_utils.vllm_engine import Engine
 
 
 # 1. Sampling --------------------------------------------------------------------------------------
 @dataclass
-class Rollout(Rows):
-    """One rollout batch: N = prompts x G completions, consecutive rows forming a group; select and
-    micro_batches (cwgrpo_utils/batch.py) give a part of its rows, itself a Rollout."""
+class Samples(Rows):
+    """What sampling gives: N = prompts x G completions, consecutive rows a group (select and
+    micro_batches, cwgrpo_utils/batch.py, give a part of its rows, itself Samples)."""
 
-    prompt_ids: torch.Tensor  # (N, P) left-padded
-    prompt_mask: torch.Tensor  # (N, P)
-    completion_ids: torch.Tensor  # (N, T) right-padded
-    completion_mask: torch.Tensor  # (N, T) float, 1 up to and including the first EOS
-    truncated: torch.Tensor  # (N,) bool, no EOS within the limit
-    texts: list
-    sampler_logp: torch.Tensor  # (N, T) log-probs of the sampled tokens by the sampler's kernels
-    golds: list = None
-    rewards: torch.Tensor = None  # (N,)
-    accuracy: torch.Tensor = None  # (N,) 1 where math-verify finds the answer right
-    advantages: torch.Tensor = None  # (N,)
-    # From a no-grad pass after sampling, when the update needs them (num_iterations > 1, or the
-    # method asks); otherwise old == current (detached) and the update's own entropy is used.
-    old_logp: torch.Tensor = None  # (N, T)
-    entropy: torch.Tensor = None  # (N, T)
-    divergence: torch.Tensor = None  # (N, T) ict's score
-    ref_logp: torch.Tensor = None  # (N, T) only when beta > 0
-    batch_entropy: torch.Tensor = None  # the sorted entropies of all the batch's valid tokens
-    # A hook for tools/diagnose.py alone: only these tokens' loss counts (None: every valid token)
-    diagnose_tokens: torch.Tensor = None  # (N, T)
+    prompt_ids: torch.Tensor = per_row("left", token_ids=True)  # (N, P) left-padded
+    prompt_mask: torch.Tensor = per_row("left", mask=True)  # (N, P)
+    completion_ids: torch.Tensor = per_row("right", token_ids=True)  # (N, T) right-padded
+    completion_mask: torch.Tensor = per_row("right", mask=True)  # (N, T) 1 to the first EOS
+    truncated: torch.Tensor = per_row()  # (N,) bool, no EOS within the limit
+    texts: list = per_row()  # (N,) the completions, decoded
+    sampler_logp: torch.Tensor = per_row("right")  # (N, T) the sampler's log-probs of its tokens
 
 
 class Sampling(NamedTuple):
@@ -230,51 +202,42 @@ class Sampling(NamedTuple):
 
 
 @torch.no_grad()
-def sample(model, tokenizer, batch: list[tuple[list[int], str]], cfg, run_cfg, engine=None):
-    """G completions per prompt, by the token loop below or, given one, a vLLM engine that
-    samples from `model`'s weights; --rollout-chunk prompts at a time and each group's prompt
-    prefilled once (--share-prompts), as the run asks."""
+def sample(model, tokenizer, prompts: list[list[int]], cfg, chunk=0, share=False, engine=None):
+    """G completions of each prompt (token ids, through the chat template: prompts.py), by the
+    token loop below or, given one, a vLLM engine that samples from `model`'s weights; `chunk`
+    prompts at a time (0: all) and with `share` each group's prompt prefilled once."""
     model.eval()
     limit = cfg.max_completion_length
-    total = limit if cfg.length_limit == "total" else None  # prompt + completion within the limit
     how = Sampling(
         cfg.group_size,
         cfg.temperature,
         cfg.top_p,
         top_k=cfg.top_k,
         max_new_tokens=limit,
-        max_total=total,
+        max_total=limit if cfg.length_limit == "total" else None,  # prompt + completion
     )
-    prompts = [ids for ids, _ in batch]
-    rollout = generate_completions(
-        model,
-        tokenizer,
-        prompts,
-        how=how,
-        chunk=run_cfg.rollout_chunk,
-        engine=engine,
-        share=run_cfg.share_prompts,
+    samples = generate_completions(
+        model, tokenizer, prompts, how=how, chunk=chunk, engine=engine, share=share
     )
-    rollout.golds = [gold for _, gold in batch for _ in range(cfg.group_size)]
     if cfg.mask_truncated_completions:  # out of the loss, not out of the reward
-        rollout.completion_mask = rollout.completion_mask * (~rollout.truncated)[:, None]
-    return rollout
+        samples.completion_mask = samples.completion_mask * (~samples.truncated)[:, None]
+    return samples
 
 
 @torch.no_grad()
 def generate_completions(
     model, tokenizer, prompts, how: Sampling, chunk=0, engine=None, share=False
-):
-    """how.n completions of each prompt as one Rollout. With chunk, that many prompts are sampled
-    at a time, each chunk as if alone, which bounds the KV cache. With an engine, vLLM samples
-    (model None: an engine with weights of its own, evaluate.py's); else this section's loop, with
-    share each prompt prefilled once for its n rows."""
+) -> Samples:
+    """how.n completions of each prompt. With chunk, that many prompts are sampled at a time, each
+    chunk as if alone, which bounds the KV cache. With an engine, vLLM samples (model None: an
+    engine with weights of its own, evaluate.py's); else this section's loop, with share each
+    prompt prefilled once for its n rows."""
     if chunk and engine is None and chunk < len(prompts):  # a KV cache of `chunk` prompts at once
         parts = [
             generate_completions(model, tokenizer, prompts[i : i + chunk], how, share=share)
             for i in range(0, len(prompts), chunk)
         ]
-        return Rollout.joined(parts, pad=tokenizer.pad_token_id)  # as if sampled in one batch
+        return Samples.joined(parts, pad=tokenizer.pad_token_id)  # as if sampled in one batch
     eos = (model or engine).generation_config.eos_token_id  # the tokens a completion ends at
     eos = [eos] if isinstance(eos, int) else list(eos or []) or [tokenizer.eos_token_id]
     device = next(model.parameters()).device if model is not None else torch.device("cpu")
@@ -302,7 +265,7 @@ def generate_completions(
     last = torch.where(truncated, row_limits - 1, is_eos.int().argmax(1))
     mask = (positions[None, :] <= last[:, None]).float()  # (N, T)
     sequences = [row[:k] for row, k in zip(ids.tolist(), mask.sum(1).long().tolist())]
-    return Rollout(
+    return Samples(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
         completion_ids=ids,
@@ -370,10 +333,11 @@ def sample_tokens(model, prompt_ids, prompt_mask, how, steps, eos, pad, cache=No
 # 2. Reward: math-verify accuracy + format (docs/math.md, "Reward") --------------------------------
 class Grade(NamedTuple):
     accuracy: float
-    gold_parsed: bool  # False: the gold could not be parsed, so the score is 0 by rule
-    timed_out: bool  # grading was cut off (ours or math-verify's own limit), so the score is 0
+    gold_parsed: bool  # False: the gold could not be parsed, so the accuracy is 0 by rule
+    timed_out: bool  # grading was cut off (ours or math-verify's own limit), so the accuracy is 0
 
 
+TIMED_OUT = Grade(0.0, gold_parsed=True, timed_out=True)  # a grading the pool's time limit cut off
 GOLD_EXTRACTION = {
     "default": [LatexExtractionConfig(), ExprExtractionConfig()],
     "expr": [ExprExtractionConfig()],
@@ -406,130 +370,170 @@ def format_reward(completion: str) -> float:
     return float(completion.count("\n</think>\n") == 1)
 
 
-class Grader(CachedTimeoutPool):
-    """grade_accuracy (or another grade of the same signature: evaluate.py's paper protocol's) in
-    worker processes under a hard time limit (cwgrpo_utils/grading_pool.py), cached since grading
-    is pure; workers 0: one per core, at most 8."""
+class Rewards(NamedTuple):
+    """A batch's rewards, each (N,)."""
 
-    def __init__(self, timeout_s: float = 10.0, workers: int = 1, grade: Callable = grade_accuracy):
-        workers = workers or min(8, os.cpu_count() or 1)
-        super().__init__(grade, workers, timeout_s, on_timeout=Grade(0.0, True, True))
+    total: torch.Tensor  # accuracy_weight x accuracy + format_weight x format
+    accuracy: torch.Tensor  # 1 where math-verify finds the answer right
+    format: torch.Tensor  # 1 where the completion closes its thinking once
 
-    def grade(self, completion: str, gold: str, gold_format: str = "default") -> Grade:
-        return self.map([(completion, gold, gold_format)])[0]
+
+def rewards_of(texts: list[str], grades: list[Grade], cfg: Config) -> Rewards:
+    accuracy = torch.tensor([g.accuracy for g in grades])  # (N,)
+    formats = torch.tensor([format_reward(text) for text in texts])  # (N,)
+    total = cfg.accuracy_weight * accuracy + cfg.format_weight * formats
+    return Rewards(total, accuracy, formats)
 
 
 # 3. Log-probs and entropy -------------------------------------------------------------------------
-def completion_states(model, rows: Rollout) -> torch.Tensor:
+class Passes(NamedTuple):
+    """How this section's passes compute (the run's options), not what: the same values to
+    rounding (tests/test_shared_prompts.py)."""
+
+    micro_batch_rows: int  # rows a forward (and backward) holds: whole groups
+    share_prompts: bool  # each group's prompt encoded once
+    logit_chunk_elements: int  # logits the LM head holds at once; 0: every position's
+
+    @classmethod
+    def of(cls, cfg: Config, run_cfg: RunConfig) -> "Passes":
+        per_group = run_cfg.groups_per_micro_batch
+        rows = micro_batch_rows(per_group, cfg.prompts_per_step, cfg.group_size)
+        return cls(rows, run_cfg.share_prompts, run_cfg.logit_chunk_elements)
+
+
+def completion_states(model, rows: Samples, group_size: int, share_prompts: bool) -> torch.Tensor:
     """(rows, T, hidden): the decoder's last states at the positions that predict each completion
-    token, from one forward over each row's prompt + completion."""
+    token, from one forward over each row's prompt + completion; with share_prompts, each group's
+    prompt once (rows in groups of group_size, each group one prompt)."""
+    decoder = model.get_decoder()
+    prompt_width = rows.prompt_ids.shape[1]
+    if share_prompts:  # Prefix Grouper (arXiv 2506.05433): the same states to rounding
+        # each group's prompt encoded once: its last state, each layer's keys and values
+        prompts = shared_prompt.prompt_pass(decoder, rows, group_size)
+        # the prompt's last state predicts each of its rows' first token; their completions
+        # attend to its keys and values as they would to their own prompt's
+        return shared_prompt.completion_pass(decoder, rows, prompts, group_size)
     input_ids = torch.cat([rows.prompt_ids, rows.completion_ids], 1)  # (rows, P + T)
     attention_mask_2d = torch.cat([rows.prompt_mask, rows.completion_mask.long()], 1)
     position_ids = (attention_mask_2d.cumsum(1) - 1).clamp(min=0)  # as in sampling
-    hidden = model.get_decoder()(
+    hidden = decoder(
         input_ids=input_ids,
         # = attention_mask_2d, as a mask no fully padded query row can turn into NaN (loading.py)
         attention_mask=loading.attention_mask(model, attention_mask_2d),
         position_ids=position_ids,
         use_cache=False,
     ).last_hidden_state  # (rows, P + T, hidden)
-    prompt_width = rows.prompt_ids.shape[1]
     return hidden[:, prompt_width - 1 : -1]  # (rows, T, hidden): position t predicts token t
 
 
-def completion_logprobs(model, rows: Rollout, temperature: float):
+def completion_logprobs(model, rows: Samples, cfg: Config, passes: Passes):
     """(rows, T) log-probs of the sampled completion tokens under softmax(logits / temperature),
     the distribution they were sampled from, and the entropies there, 0 on padding; and the
     (rows, T, hidden) states that predict them."""
-    hidden = completion_states(model, rows)  # (rows, T, hidden)
-    logits = model.get_output_embeddings()(hidden).float() / temperature  # (rows, T, vocab)
+    hidden = completion_states(model, rows, cfg.group_size, share_prompts=passes.share_prompts)
+    head = model.get_output_embeddings()
+    if passes.logit_chunk_elements:  # memory: the LM head a chunk of valid positions at a time,
+        # recomputed in backward, never vocab x T logits at once (lm_head.py); the same values
+        logp, entropy = valid_logprobs(
+            hidden,
+            head.weight,
+            rows.completion_ids,
+            rows.completion_mask,
+            temperature=cfg.temperature,
+            chunk_elements=passes.logit_chunk_elements,
+        )
+        return logp, entropy, hidden
+    logits = head(hidden).float() / cfg.temperature  # (rows, T, vocab)
     logp_all = logits.log_softmax(-1)
     logp = logp_all.gather(-1, rows.completion_ids[..., None]).squeeze(-1)  # (rows, T)
     entropy = -(logp_all.exp() * logp_all).sum(-1)  # (rows, T)
     return logp * rows.completion_mask, entropy * rows.completion_mask, hidden
 
 
-def logprobs_of_run(run_cfg: RunConfig, group_size: int) -> Callable:
-    """completion_logprobs above or, where the run turns them on (the default), its fast drop-in:
-    each group's prompt encoded once (--share-prompts), the LM head a chunk of positions at a
-    time (--logit-chunk-elements), the same values to rounding in a fraction of the memory
-    (cwgrpo_utils/fast_logprobs.py; tested equal)."""
-    if not run_cfg.share_prompts and not run_cfg.logit_chunk_elements:
-        return completion_logprobs
-    shared = functools.partial(fast_logprobs.shared_states, group_size=group_size)
-    return functools.partial(
-        fast_logprobs.completion_logprobs,
-        states=shared if run_cfg.share_prompts else completion_states,
-        chunk_elements=run_cfg.logit_chunk_elements,
-    )
+class TokenStats(NamedTuple):
+    """A batch's tokens under a model, without gradient, 0 on padding; each (N, T)."""
 
-
-def micro_batch_rows(cfg: Config, run_cfg: RunConfig) -> int:
-    """The rows a forward (and backward) pass holds: --groups-per-micro-batch whole groups."""
-    return (run_cfg.groups_per_micro_batch or cfg.prompts_per_step) * cfg.group_size
+    logp: torch.Tensor
+    entropy: torch.Tensor
+    divergence: torch.Tensor | None  # ict's u, JS(p || the group's mean p), where asked for
 
 
 @torch.no_grad()
-def policy_token_stats(model, rollout: Rollout, cfg, run_cfg, divergence: bool = False) -> dict:
-    """(N, T) log-probs and entropies of the batch's tokens under `model` (policy or reference),
-    without gradient, a micro-batch at a time, and ict's divergence on request; 0 on padding."""
-    logprobs = logprobs_of_run(run_cfg, cfg.group_size)
-    names = ["logp", "entropy", "divergence"] if divergence else ["logp", "entropy"]
-    out = {name: torch.zeros_like(rollout.completion_mask) for name in names}
-    for block, rows in rollout.micro_batches(micro_batch_rows(cfg, run_cfg)):
-        logp, entropy, hidden = logprobs(model, rows, cfg.temperature)
-        out["logp"][block] = logp
-        out["entropy"][block] = entropy
-        if divergence:  # = JS(p[i,t] || mean of the group's p[., t]), streamed (lm_head.py)
-            out["divergence"][block] = ict_divergence(
+def token_stats(model, samples: Samples, cfg, passes: Passes, divergence=False) -> TokenStats:
+    """The log-probs and entropies of the batch's tokens under `model` (the rollout policy, or the
+    reference), a micro-batch at a time, and on request ict's divergence in the same pass."""
+    logp, entropy = (
+        torch.zeros_like(samples.completion_mask),
+        torch.zeros_like(samples.completion_mask),
+    )
+    divergences = torch.zeros_like(logp) if divergence else None
+    for block, rows in samples.micro_batches(passes.micro_batch_rows):
+        logp[block], entropy[block], hidden = completion_logprobs(model, rows, cfg, passes)
+        if divergence:  # streamed over positions (lm_head.py)
+            divergences[block] = ict_divergence(
                 hidden,
                 model.get_output_embeddings().weight,
                 rows.completion_mask,
                 temperature=cfg.temperature,
-                chunk_elements=run_cfg.logit_chunk_elements,
+                chunk_elements=passes.logit_chunk_elements,
                 group_size=cfg.group_size,
             )
-    return out
+    return TokenStats(logp, entropy, divergences)
 
 
-def old_and_reference_logprobs(model, reference, rollout: Rollout, cfg, run_cfg) -> None:
-    """Into the rollout, without gradient: the rollout policy's log-probs and entropies where the
-    update needs them (more than one update per batch, or a method that reads them), and the
-    frozen reference's log-probs for the KL (beta > 0)."""
-    method = METHODS[cfg.method]
-    if cfg.num_iterations > 1 or method.needs_stats:
-        stats = policy_token_stats(model, rollout, cfg, run_cfg, divergence=method.needs_divergence)
-        rollout.old_logp = stats["logp"]
-        rollout.entropy = stats["entropy"]
-        rollout.divergence = stats.get("divergence")
-        rollout.batch_entropy = rollout.entropy[rollout.completion_mask.bool()].sort().values
-    if cfg.beta > 0:  # the KL reference: a frozen copy, or under LoRA the base (adapter off)
-        with lora.reference_of(model, reference) as frozen:
-            rollout.ref_logp = policy_token_stats(frozen, rollout, cfg, run_cfg)["logp"]
+def reference_logprobs(model, reference, samples: Samples, cfg, passes: Passes) -> torch.Tensor:
+    """(N, T) the batch's log-probs under the KL's reference: a frozen copy of the starting model,
+    or under LoRA the base itself (the adapter off)."""
+    with lora.reference_of(model, reference) as frozen:
+        return token_stats(frozen, samples, cfg, passes).logp
 
 
 # 4. Group advantages ------------------------------------------------------------------------------
 def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """A_i = (R_i - mean(R)) / (std(R) + 1e-4) within each group, Bessel std (GRPO; math.md)."""
-    groups = rewards.view(-1, group_size)  # (prompts, G)
-    advantages = (groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)
+    per_group = rewards.view(-1, group_size)  # (prompts, G)
+    advantages = (per_group - per_group.mean(1, keepdim=True)) / (
+        per_group.std(1, keepdim=True) + 1e-4
+    )
     return advantages.view(-1)  # (N,)
 
 
-def rollout_rewards(rollout: Rollout, grades: list[Grade], cfg: Config) -> dict:
-    """Sets the batch's rewards and group advantages; returns the rollout's figures."""
-    accuracy = torch.tensor([g.accuracy for g in grades])  # (N,)
-    formats = torch.tensor([format_reward(text) for text in rollout.texts])  # (N,)
-    rollout.rewards = cfg.accuracy_weight * accuracy + cfg.format_weight * formats
-    rollout.accuracy = accuracy
-    advantages = group_advantages(rollout.rewards, cfg.group_size)
-    rollout.advantages = advantages.to(rollout.completion_ids.device)
-    return metrics.rollout_metrics(rollout, formats, grades, group_size=cfg.group_size)
+@dataclass
+class Batch(Samples):
+    """The samples as the update reads them, every phase's values beside them; None where a phase
+    did not run (the training loop says when it does)."""
+
+    rewards: torch.Tensor = per_row()  # (N,) section 2's total
+    accuracy: torch.Tensor = per_row()  # (N,)
+    advantages: torch.Tensor = per_row()  # (N,) section 4's
+    old_logp: torch.Tensor | None = per_row("right")  # (N, T) section 3's, the rollout policy's
+    old_entropy: torch.Tensor | None = per_row("right")  # (N, T)
+    divergence: torch.Tensor | None = per_row("right")  # (N, T) ict's
+    ref_logp: torch.Tensor | None = per_row("right")  # (N, T) the reference's, where beta > 0
+    entropies: torch.Tensor | None = whole_batch()  # the batch's valid tokens' entropies, sorted
+
+    @classmethod
+    def of(cls, samples: Samples, rewards: Rewards, advantages, old: TokenStats | None, ref_logp):
+        """The step's values side by side: old the rollout policy's stats, or None."""
+        return cls(
+            **vars(samples),
+            rewards=rewards.total,
+            accuracy=rewards.accuracy,
+            advantages=advantages.to(samples.completion_ids.device),
+            old_logp=None if old is None else old.logp,
+            old_entropy=None if old is None else old.entropy,
+            divergence=None if old is None else old.divergence,
+            ref_logp=ref_logp,
+            entropies=None
+            if old is None
+            else old.entropy[samples.completion_mask.bool()].sort()[0],
+        )
 
 
 # 5. The methods' token weights: how each one changes the per-token loss (math.md, "Methods") ------
 class Group(NamedTuple):
-    """What a method sees of one group of G responses (T = the micro-batch's longest response)."""
+    """What a method sees of one group of G responses (T = the micro-batch's longest response);
+    the same of a micro-batch's rows, whose groups method_terms hands the methods one by one."""
 
     logp: torch.Tensor  # (G, T) current policy, with gradient
     old_logp: torch.Tensor  # (G, T) rollout policy, no gradient
@@ -537,25 +541,40 @@ class Group(NamedTuple):
     mask: torch.Tensor  # (G, T) 0/1
     entropy: torch.Tensor  # (G, T) rollout policy's entropy, no gradient
     batch_entropy: torch.Tensor | None  # sorted entropies of the batch's valid tokens
-    divergence: torch.Tensor | None  # (G, T) ict's JS score, for the methods that ask for it
+    divergence: torch.Tensor | None  # (G, T) ict's JS divergence, for the methods that ask for it
     update_pass: int  # 0; lopti's second (high-probability) pass is 1
 
     @classmethod
-    def split(cls, rows: Rollout, logp, old_logp, entropy, update_pass: int, size: int) -> list:
-        """The groups of `size` rows of a micro-batch, each with its rows of the (rows, T) ones."""
-        groups = [slice(start, start + size) for start in range(0, len(logp), size)]
+    def of(cls, rows, logp, entropy, update_pass: int) -> "Group":
+        """A micro-batch's tokens (Batch rows) as the methods read them, logp and entropy the
+        policy's, with gradient: beside the rollout policy's where measured, else beside these
+        (detached: with one update a batch the rollout policy is the policy)."""
+        measured = rows.old_logp is not None
+        return cls(
+            logp,
+            old_logp=rows.old_logp if measured else logp.detach(),
+            advantages=rows.advantages,
+            mask=rows.completion_mask,
+            entropy=rows.old_entropy if measured else entropy,
+            batch_entropy=rows.entropies,
+            divergence=rows.divergence,
+            update_pass=update_pass,
+        )
+
+    def groups(self, size: int) -> list["Group"]:
+        """This micro-batch's groups of `size` consecutive rows (the batch's entropies and the
+        pass are every group's)."""
+        spans = [slice(start, start + size) for start in range(0, len(self.logp), size)]
         return [
-            cls(
-                logp=logp[g],
-                old_logp=old_logp[g],
-                advantages=rows.advantages[g],
-                mask=rows.completion_mask[g],
-                entropy=entropy[g],
-                batch_entropy=rows.batch_entropy,
-                divergence=None if rows.divergence is None else rows.divergence[g],
-                update_pass=update_pass,
+            self._replace(
+                logp=self.logp[rows],
+                old_logp=self.old_logp[rows],
+                advantages=self.advantages[rows],
+                mask=self.mask[rows],
+                entropy=self.entropy[rows],
+                divergence=None if self.divergence is None else self.divergence[rows],
             )
-            for g in groups
+            for rows in spans
         ]
 
 
@@ -567,11 +586,12 @@ class TokenTerms(NamedTuple):
     active: torch.Tensor | None = None  # (G, T) tokens whose PG and KL terms count in this pass
 
     @classmethod
-    def joined(cls, groups: list["TokenTerms"]) -> "TokenTerms":
+    def joined(cls, per_group: list["TokenTerms"]) -> "TokenTerms":
         """Groups' terms side by side, as their micro-batch's (rows, T) ones."""
-        pg_weight = torch.cat([terms.pg_weight for terms in groups])
-        extra = None if groups[0].extra is None else torch.cat([terms.extra for terms in groups])
-        active = None if groups[0].active is None else torch.cat([t.active for t in groups])
+        pg_weight = torch.cat([terms.pg_weight for terms in per_group])
+        first = per_group[0]
+        extra = None if first.extra is None else torch.cat([t.extra for t in per_group])
+        active = None if first.active is None else torch.cat([t.active for t in per_group])
         return cls(pg_weight, extra, active)
 
 
@@ -783,22 +803,35 @@ def stapo(group: Group, cfg: Config) -> TokenTerms:
     return TokenTerms(renormalised(group.mask * ~spurious, group.mask))
 
 
+def method_terms(tokens: Group, cfg: Config) -> TokenTerms:
+    """The --method's token terms of a micro-batch's tokens, group by group (each method reads one
+    group of G responses), side by side."""
+    method = METHODS[cfg.method].token_terms
+    return TokenTerms.joined([method(group, cfg) for group in tokens.groups(cfg.group_size)])
+
+
 @torch.no_grad()
-def every_methods_weights(model, rows: Rollout, cfg, run_cfg) -> dict:
-    """What every method's every update pass makes of the same scored rows, side by side (the
-    run's tokens.html shows its first group's): (method, pass) -> (w x active, tokens touched),
-    each token's log-prob and its covariance score (cw step 3); each (rows, T)."""
-    stats = policy_token_stats(model, rows, cfg, run_cfg, divergence=True)
-    logp = stats["logp"]
-    entropy = stats["entropy"]
-    batch_entropy = entropy[rows.completion_mask.bool()].sort().values
-    rows = dataclasses.replace(rows, divergence=stats["divergence"], batch_entropy=batch_entropy)
-    out = {"logp": logp, "score": covariance_score(logp, rows.advantages, rows.completion_mask)}
+def every_methods_weights(model, rows: Batch, cfg: Config, passes: Passes) -> dict:
+    """What every method's every update pass makes of the same rows, side by side (the run's
+    tokens.html shows its first group's): (method, pass) -> (w x active, tokens touched), each
+    token's log-prob and its covariance score (cw step 3); each (rows, T)."""
+    stats = token_stats(model, rows, cfg, passes, divergence=True)
+    mask = rows.completion_mask
+    entropies = stats.entropy[mask.bool()].sort().values
+    out = {"logp": stats.logp, "score": covariance_score(stats.logp, rows.advantages, mask)}
     for name, method in METHODS.items():
         for update_pass in range(method.update_passes):
-            one = dataclasses.replace(cfg, method=name)
-            groups = Group.split(rows, logp, logp, entropy, update_pass, size=cfg.group_size)
-            terms = TokenTerms.joined([method.token_terms(group, one) for group in groups])
+            tokens = Group(
+                stats.logp,
+                old_logp=stats.logp,
+                advantages=rows.advantages,
+                mask=mask,
+                entropy=stats.entropy,
+                batch_entropy=entropies,
+                divergence=stats.divergence,
+                update_pass=update_pass,
+            )
+            terms = method_terms(tokens, dataclasses.replace(cfg, method=name))
             active = 1 if terms.active is None else terms.active
             out[name, update_pass] = (terms.pg_weight * active, metrics.touched_tokens(terms))
     return out
@@ -811,54 +844,51 @@ def k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 
 def sampler_correction(old_logp, sampler_logp, mask, cfg: Config) -> torch.Tensor | None:
-    """The sampler correction c (math.md, "Sampler-trainer mismatch"), as TRL's: exp(l - s) per
+    """The sampler correction r (math.md, "Sampler-trainer mismatch"), as TRL's: exp(l - s) per
     token, or per sequence summed in log space (a long sum neither overflows nor gives 0 x inf);
-    truncate: min(c, C); mask: c, but 0 outside [C_min, C]. None: none, the released recipe."""
+    truncate: min(r, r_max); mask: r, but 0 outside [r_min, r_max]. None: none, the released
+    recipe."""
     if cfg.sampler_correction == "none":
         return None
-    log_c = (old_logp - sampler_logp) * mask  # (N, T)
+    log_r = (old_logp - sampler_logp) * mask  # (N, T)
     if cfg.sampler_correction.startswith("sequence"):
-        log_c = log_c.sum(1, keepdim=True)  # (N, 1)
-    correction = log_c.clamp(max=math.log(cfg.sampler_correction_cap)).exp()
+        log_r = log_r.sum(1, keepdim=True)  # (N, 1)
+    correction = log_r.clamp(max=math.log(cfg.sampler_correction_cap)).exp()
     if cfg.sampler_correction.endswith("truncate"):
         return correction
-    inside = log_c <= math.log(cfg.sampler_correction_cap)
+    inside = log_r <= math.log(cfg.sampler_correction_cap)
     return correction * (inside & (correction >= cfg.sampler_correction_min))
 
 
 class LossParts(NamedTuple):
     """A micro-batch's loss per token, and what of it the metrics read; each (rows, T)."""
 
-    per_token: torch.Tensor  # w pg c + extra + beta k3, times active
+    per_token: torch.Tensor  # w pg r + extra + beta k3, times active
     terms: TokenTerms  # the method's
-    old_logp: torch.Tensor
-    entropy: torch.Tensor  # the rollout policy's where measured, else the update's own
-    kl: torch.Tensor | None  # k3, without gradient; None without a reference
+    tokens: Group  # what the loss read: log-probs, the rollout policy's, its entropies, the mask
+    kl: torch.Tensor | None  # k3, without gradient; None without a reference (beta 0)
     clipped: torch.Tensor  # tokens whose PG term PPO's clip holds constant
 
 
 def policy_loss(
-    logp, entropy, rows: Rollout, cfg, update_pass: int, n_responses: int, n_tokens: int
+    tokens: Group,
+    terms: TokenTerms,
+    cfg: Config,
+    sampler_logp: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    n_responses: int,
+    n_tokens: int,
 ):
     """The loss of a micro-batch of whole groups, in docs/math.md's symbols ("Loss"): per token
-    w * max(-rho A, -clip(rho, 1 - eps_low, 1 + eps_high) A) * c + beta * k3, w the method's
-    weight (section 5), rho = pi / pi_old, A the response's advantage, c the sampler correction;
-    averaged over each response's tokens, then over the step's n_responses (GRPO's), or over the
-    step's n_tokens (DAPO's token-mean). Divided by the step's totals, the micro-batches' losses
-    and gradients add up to the step's. Returns the loss and its LossParts."""
-    mask = rows.completion_mask  # (rows, T)
-    # one update per batch (the paper): the rollout policy is the current one, detached
-    old_logp = logp.detach() if rows.old_logp is None else rows.old_logp  # (rows, T)
-    entropy = entropy if rows.entropy is None else rows.entropy  # (rows, T)
-    # the method's token terms (section 5), group by group: w, and its extra term and pass
-    groups = Group.split(rows, logp, old_logp, entropy, update_pass, size=cfg.group_size)
-    terms = TokenTerms.joined([METHODS[cfg.method].token_terms(group, cfg) for group in groups])
-    if rows.diagnose_tokens is not None:  # tools/diagnose.py's tokens
-        active = rows.diagnose_tokens
-        terms = terms._replace(active=active if terms.active is None else active * terms.active)
-    correction = sampler_correction(old_logp, rows.sampler_logp, mask, cfg)  # (rows, T or 1)
-    ratio = torch.exp(logp - old_logp)  # rho: exactly 1 with one update per batch
-    adv = rows.advantages[:, None]  # (rows, 1): a response's advantage, on each of its tokens
+    w * max(-rho A, -clip(rho, 1 - eps_low, 1 + eps_high) A) * r + beta * k3, w the method's
+    weight (terms, section 5), rho = pi / pi_old, A the response's advantage, r the sampler
+    correction; averaged over each response's tokens, then over the step's n_responses (GRPO's),
+    or over the step's n_tokens (DAPO's token-mean). Divided by the step's totals, the
+    micro-batches' losses and gradients add up to the step's. Returns the loss and its LossParts."""
+    mask = tokens.mask  # (rows, T)
+    correction = sampler_correction(tokens.old_logp, sampler_logp, mask, cfg)  # (rows, T or 1)
+    ratio = torch.exp(tokens.logp - tokens.old_logp)  # rho: exactly 1 with one update per batch
+    adv = tokens.advantages[:, None]  # (rows, 1): a response's advantage, on each of its tokens
     pg = -ratio * adv  # -rho A
     clip = METHODS[cfg.method].clip
     if clip:  # PPO's clipped surrogate
@@ -866,8 +896,8 @@ def policy_loss(
     per_token = terms.pg_weight * pg if correction is None else terms.pg_weight * pg * correction
     if terms.extra is not None:  # kl_cov's penalty
         per_token = per_token + terms.extra
-    kl = None if rows.ref_logp is None else k3(logp, rows.ref_logp)  # (rows, T)
-    if kl is not None:
+    kl = k3(tokens.logp, ref_logp) if cfg.beta > 0 else None  # (rows, T)
+    if cfg.beta > 0:
         per_token = per_token + cfg.beta * kl
     if terms.active is not None:  # lopti's pass: only its tokens count
         per_token = per_token * terms.active
@@ -876,9 +906,9 @@ def policy_loss(
         loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / n_responses
     else:  # every token of the step alike (DAPO)
         loss = (per_token * mask).sum() / n_tokens
-    clipped = ppo_clipped(ratio.detach(), rows.advantages, cfg) & clip
+    clipped = ppo_clipped(ratio.detach(), tokens.advantages, cfg) & clip
     kl = None if kl is None else kl.detach()
-    return loss, LossParts(per_token, terms, old_logp, entropy, kl=kl, clipped=clipped)
+    return loss, LossParts(per_token, terms, tokens, kl=kl, clipped=clipped)
 
 
 # 7. The optimizer ---------------------------------------------------------------------------------
@@ -918,65 +948,92 @@ def optimizer_step(trained: list, optimizer, scheduler, scaler, max_grad_norm: f
 
 # The training loop --------------------------------------------------------------------------------
 def training_loop(cfg, run_cfg, model, reference, tokenizer, prompts, grader, engine, run: Run):
-    """The paper's algorithm, step after step, each step's phases in the order they run, numbered
-    as the sections that define them; the run keeps the records, checkpoints and pictures."""
+    """The paper's algorithm, rollout step after rollout step, each step's phases in the order
+    they run, numbered as the sections that define them; the run keeps the records, checkpoints
+    and pictures."""
     method = METHODS[cfg.method]
     updates = cfg.num_iterations * method.update_passes  # optimizer steps per rollout batch
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer, scheduler = optimizer_and_schedule(trained, cfg, updates)
     scaler = run.precision.scaler()  # fp16's loss scaler; in any other precision, one doing nothing
-    # the step to start at: 0, or a checkpoint's, with the state of each of these as it saved them
-    start = run.begin(
-        optimizer, scheduler, scaler=scaler, prompts=prompts, updates_per_step=updates
-    )
+    # the rollout step to start at: 0, or a checkpoint's, with the state of each as it saved them
+    start = run.begin(optimizer, scheduler, scaler=scaler, prompts=prompts)
     if start == 0:  # TRY NOT TO MODIFY: seeding (a resumed run continues its checkpoint's RNG)
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
     autocast = run.precision.autocast  # bf16 or fp16 compute over fp32 weights; fp32: none
-    logprobs = logprobs_of_run(run_cfg, cfg.group_size)  # section 3's, or its fast drop-in
-    for step in range(start + 1, cfg.steps + 1):  # rollout steps, numbered from 1
+    passes = Passes.of(cfg, run_cfg)  # how the log-prob passes compute: micro-batches, memory
+    # the update reads the rollout policy's own log-probs where it can differ from the policy
+    # being trained (more than one update a batch) or the method reads them before the update
+    rollout_policy = cfg.num_iterations > 1 or method.needs_stats
+    for rollout_step in range(start + 1, cfg.steps + 1):
+        questions = prompts.next_batch(cfg.prompts_per_step)  # (prompt ids, gold) pairs
+        golds = [gold for _, gold in questions for _ in range(cfg.group_size)]  # (N,)
         with autocast():
-            # 1. Sample G completions of each of the step's prompts (section 1)
-            batch = prompts.next_batch(cfg.prompts_per_step)
-            with run.phase("sampling", step):
-                rollout = sample(model, tokenizer, batch, cfg, run_cfg, engine=engine)
-            # 2. Grade them (section 2): the workers grade while the passes below run
-            grades = grader.submit(
-                [(t, gold, "default") for t, gold in zip(rollout.texts, rollout.golds)]
-            )
-            # 3. The old and the reference log-probs, where the update needs them (section 3)
-            with run.phase("the log-prob passes", step):
-                old_and_reference_logprobs(model, reference, rollout, cfg, run_cfg)
-            # 4. Rewards, and each response's advantage within its group (section 4)
-            rollout_figures = rollout_rewards(rollout, grades.result(), cfg)
-        run.rollout_scored(step, model=model, rollout=rollout)  # the token page; a tool's hook
-        n_responses = len(rollout.texts)
-        n_tokens = int(rollout.completion_mask.sum().clamp(min=1))
+            # 1. Sample G completions of each of the step's prompts
+            with run.phase("sampling", rollout_step):
+                samples = sample(
+                    model,
+                    tokenizer,
+                    [ids for ids, _ in questions],
+                    cfg,
+                    chunk=run_cfg.rollout_chunk,
+                    share=run_cfg.share_prompts,
+                    engine=engine,
+                )
+            # 2. Grade them, in worker processes that go on while the passes below run
+            grading = grader.submit([(t, gold, "default") for t, gold in zip(samples.texts, golds)])
+            # 3. Their log-probs without gradient, under the rollout policy where the update
+            # reads them, and under the reference for the KL
+            with run.phase("the log-prob passes", rollout_step):
+                old = None
+                if rollout_policy:
+                    divergence = method.needs_divergence
+                    old = token_stats(model, samples, cfg, passes, divergence=divergence)
+                ref_logp = None
+                if cfg.beta > 0:
+                    ref_logp = reference_logprobs(model, reference, samples, cfg, passes)
+            # 2. Their rewards, once graded; 4. each response's advantage within its group
+            grades = grading.result()
+            rewards = rewards_of(samples.texts, grades, cfg)
+            advantages = group_advantages(rewards.total, cfg.group_size)
+        batch = Batch.of(samples, rewards, advantages, old=old, ref_logp=ref_logp)
+        rollout_figures = metrics.rollout_metrics(samples, rewards, grades, cfg.group_size)
+        run.rollout_scored(rollout_step, model=model, batch=batch)  # the token page; tools' hook
+        n_responses = len(batch.texts)
+        n_tokens = int(batch.completion_mask.sum().clamp(min=1))
         for update_index in range(updates):
+            step = (rollout_step - 1) * updates + update_index + 1  # the optimizer step
             update_pass = update_index % method.update_passes  # lopti: low-probability tokens first
-            # 5-6. Each micro-batch's log-probs (with gradient), the method's token weights in its
-            # loss, and its backward pass: the micro-batches' gradients add up to the step's
             model.train()
             loss_sum, token_values = 0.0, []
-            with run.phase("the update", step):
-                for _, rows in rollout.micro_batches(micro_batch_rows(cfg, run_cfg)):
+            with run.phase("the update", rollout_step):
+                for _, rows in batch.micro_batches(passes.micro_batch_rows):
                     with autocast():
-                        logp, entropy, _ = logprobs(model, rows, cfg.temperature)  # (rows, T)
+                        # 3. The micro-batch's log-probs under the policy trained, with gradient
+                        logp, entropy, _ = completion_logprobs(model, rows, cfg, passes)
+                        # 5. The method's token terms, group by group, of the tokens as the
+                        # methods read them: beside the rollout policy's log-probs and entropies,
+                        # or with none measured (one update a batch), the policy's own, detached
+                        tokens = Group.of(rows, logp, entropy, update_pass=update_pass)
+                        terms = method_terms(tokens, cfg)
+                        # 6. The loss, and its backward: the micro-batches' gradients add up
                         loss, parts = policy_loss(
-                            logp,
-                            entropy,
-                            rows,
+                            tokens,
+                            terms,
                             cfg,
-                            update_pass=update_pass,
+                            sampler_logp=rows.sampler_logp,
+                            ref_logp=rows.ref_logp,
                             n_responses=n_responses,
                             n_tokens=n_tokens,
                         )
                     scaler.scale(loss).backward()  # fp16: scaled up, so no gradient underflows
                     loss_sum += loss.item()
-                    token_values.append(metrics.token_values(rows, parts))
-            # 7. Clip the gradient's norm, then AdamW and the schedule's next learning rate;
-            # unless the gradient is not finite: then nothing changes, and the step is skipped
-            with run.phase("the optimizer step", step):
+                    token_values.append(metrics.token_values(parts, rows.sampler_logp))
+            # 7. Clip the gradient's norm, then AdamW and the schedule's next learning rate (a
+            # linear warm-up, then a cosine down to min_lr_ratio x the peak); unless the gradient
+            # is not finite: then nothing changes, and the step counts as skipped
+            with run.phase("the optimizer step", rollout_step):
                 grad_norm, lr, finite = optimizer_step(
                     trained, optimizer, scheduler, scaler=scaler, max_grad_norm=cfg.max_grad_norm
                 )
@@ -984,42 +1041,36 @@ def training_loop(cfg, run_cfg, model, reference, tokenizer, prompts, grader, en
                 token_values, loss_sum, grad_norm=grad_norm.item(), lr=lr
             )
             run.log_update(
-                step, update_index, update_pass, rollout_figures | update_figures, finite
+                step, rollout_step, update_pass, rollout_figures | update_figures, finite
             )
-        run.end_step(step, model, tokenizer)  # progress; a checkpoint every --save-every steps
+        run.end_step(rollout_step, model, tokenizer)  # progress; a checkpoint every --save-every
     run.finish(model, tokenizer)  # the final model, LoRA's merged
 
 
-def train(cfg: Config, run_cfg: RunConfig, on_rollout: Callable | None = None) -> Path | None:
-    """Everything a run needs, then the training loop (--plan: its memory and disk instead).
-    on_rollout(step, model, rollout, autocast), a hook for tools/diagnose.py, sees each scored
-    rollout batch before the update."""
+def main(cfg: Config, run_cfg: RunConfig, on_rollout: Callable | None = None) -> Path | None:
+    """python cwgrpo.py: the run made ready, what it trains loaded, the training loop, what it
+    did; --plan: its memory and disk instead. on_rollout(rollout_step, model, batch, autocast), a
+    hook for tools/diagnose.py, sees each scored batch before its update."""
     if run_cfg.plan:  # before anything loads
         print(Run.plan(cfg, run_cfg))
         return None
     # the folder locked, Ctrl-C a stop after the step, the device, precision and threads set, the
     # model and its fit on the GPU checked: one line and an exit for whatever is wrong
     with Run(cfg, run_cfg) as run:
-        cfg = run.cfg  # a CPU preset's model built here on first use
         if run.finished():
             return run.path
-        dataset = loading.load_dataset(
-            cfg.dataset, cfg.dataset_split, cfg.question_column, gold_column=cfg.gold_column
-        )
-        with Grader(cfg.reward_timeout_s, run_cfg.reward_workers) as grader:
+        with Grader(
+            grade_accuracy,
+            on_timeout=TIMED_OUT,
+            timeout_s=cfg.reward_timeout_s,
+            workers=run_cfg.reward_workers,
+        ) as grader:
             run.start(grader)  # run_config.json; on resume, the records after its checkpoint go
-            tokenizer = loading.load_tokenizer(run.weights)
-            prompts = PromptStream(dataset, tokenizer, cfg)
-            model = loading.load_policy(cfg, run_cfg, run.resume_from, run.precision)
-            frozen_copy = cfg.beta > 0 and not run_cfg.lora_rank  # LoRA's reference: the base
-            reference = loading.load_reference(cfg.model, run.precision) if frozen_copy else None
-            engine = (
-                Engine.for_run(cfg, run_cfg, run.precision) if run_cfg.rollout == "vllm" else None
-            )
-            weigh = functools.partial(every_methods_weights, cfg=cfg, run_cfg=run_cfg)
-            run.show_tokens(tokenizer, methods=METHODS, weigh=weigh, hook=on_rollout)
+            model, reference, tokenizer, prompts, engine = run.load()
+            passes = Passes.of(run.cfg, run_cfg)
+            run.show_tokens(tokenizer, METHODS, every_methods_weights, passes, hook=on_rollout)
             training_loop(
-                cfg,
+                run.cfg,
                 run_cfg,
                 model,
                 reference,
@@ -1034,4 +1085,4 @@ def train(cfg: Config, run_cfg: RunConfig, on_rollout: Callable | None = None) -
 
 
 if __name__ == "__main__":
-    train(CONFIG, RUN_CONFIG)
+    main(CONFIG, RUN_CONFIG)

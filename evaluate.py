@@ -105,7 +105,7 @@ import cwgrpo
 from cwgrpo_utils import loading, plots, preset_models, threads
 from cwgrpo_utils.checkpoints import checkpoint_step
 from cwgrpo_utils.cli import command
-from cwgrpo_utils.grading_pool import LogCounter
+from cwgrpo_utils.grading_pool import Grader, LogCounter
 from cwgrpo_utils.precision import Precision
 from cwgrpo_utils.prompts import chat_prompt_ids
 from cwgrpo_utils.run_folder import StopRequest
@@ -270,7 +270,8 @@ def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: Path, stop) -> 
     generate = sampler(model_path, tokenizer, cfg, precision, n=n, longest_prompt=longest)
     output_dir.mkdir(parents=True, exist_ok=True)  # once the benchmarks and the model have loaded
     grade = grade_paper if cfg.protocol == "paper" else cwgrpo.grade_accuracy
-    with cwgrpo.Grader(cfg.reward_timeout_s, cfg.reward_workers, grade=grade) as grader:
+    timed_out = cwgrpo.TIMED_OUT
+    with Grader(grade, timed_out, cfg.reward_timeout_s, workers=cfg.reward_workers) as grader:
         return {
             name: evaluate_benchmark(
                 name,
@@ -372,7 +373,7 @@ def sampler(model_path: str, tokenizer, cfg: EvalConfig, precision, n: int, long
     engine = Engine(
         model_path,
         max_model_len=longest_prompt + cfg.max_new_tokens,
-        rows=cfg.batch_size * n,
+        n_rows=cfg.batch_size * n,
         device=precision.device,
         gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
         seed=cfg.seed,

@@ -19,9 +19,9 @@ import transformers
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import cwgrpo
-from cwgrpo import Grader, cw_weights, format_reward, grade_accuracy, group_advantages
+from cwgrpo import TIMED_OUT, cw_weights, format_reward, grade_accuracy, group_advantages
 from cwgrpo_utils import checkpoints, loading, presets, tiny
-from cwgrpo_utils.grading_pool import LogCounter
+from cwgrpo_utils.grading_pool import Grader, LogCounter
 from cwgrpo_utils.lm_head import chunked_logprobs
 from cwgrpo_utils.metrics import token_values, update_metrics
 from cwgrpo_utils.precision import Precision, SkippedSteps
@@ -54,7 +54,7 @@ def tiny_run(tmp_path_factory, tiny_base) -> Path:
     out = tmp_path_factory.mktemp("run") / "cw"
     data = ["--model", str(tiny_base / "model"), "--dataset", str(tiny_base / "arithmetic.jsonl")]
     steps = ["--steps", "4", "--save-every", "2", "--output-dir", str(out)]
-    cwgrpo.train(*cwgrpo.parse_config(["--preset", "tiny", *data, *steps]))
+    cwgrpo.main(*cwgrpo.parse_config(["--preset", "tiny", *data, *steps]))
     return out
 
 
@@ -190,12 +190,13 @@ def test_math_reward(completion, gold, score):
 
 
 def test_unparseable_gold_scores_zero_and_is_flagged():
-    grade = Grader(timeout_s=10).grade("\\boxed{5}", "no mathematics here")
+    grader = Grader(grade_accuracy, TIMED_OUT, timeout_s=10)
+    grade = grader.grade("\\boxed{5}", "no mathematics here")
     assert grade.accuracy == 0.0 and grade.gold_parsed is False
 
 
 def test_hanging_input_returns_zero_within_limit():
-    grader = Grader(timeout_s=1.0)
+    grader = Grader(grade_accuracy, TIMED_OUT, timeout_s=1.0)
     grade = grader.grade("\\boxed{9^{9^{9^{9}}}}", "5")  # sympy evaluates the tower for minutes
     assert grade.accuracy == 0.0 and grade.timed_out  # cut off: the worker was killed
     assert grader.grade("\\boxed{5}", "5").accuracy == 1.0  # a fresh worker took over
@@ -284,12 +285,13 @@ def test_rollout_logprobs_match_unpadded_forward(tiny_model, path):
     cfg, run_cfg = cwgrpo.parse_config(["--preset", "tiny", "--max-completion-length", "12"])
     batch = [(chat_prompt_ids(tokenizer, q, ""), "\\boxed{1}") for q in ["1+2", "12+30"]]
     torch.manual_seed(0)
-    rollout = cwgrpo.sample(model, tokenizer, batch, cfg, run_cfg)
+    prompts = [ids for ids, _ in batch]
+    rollout = cwgrpo.sample(model, tokenizer, prompts, cfg, share=run_cfg.share_prompts)
     assert rollout.prompt_ids.shape[0] == 2 * cfg.group_size
-    plain = dataclasses.replace(run_cfg, share_prompts=False, logit_chunk_elements=0)
-    logprobs = cwgrpo.logprobs_of_run(plain if path == "plain" else run_cfg, cfg.group_size)
-    assert (logprobs is cwgrpo.completion_logprobs) == (path == "plain")
-    logp, entropy, _ = logprobs(model, rollout, cfg.temperature)
+    passes = cwgrpo.Passes.of(cfg, run_cfg)  # the default: shared prompts, a chunked LM head
+    if path == "plain":
+        passes = passes._replace(share_prompts=False, logit_chunk_elements=0)
+    logp, entropy, _ = cwgrpo.completion_logprobs(model, rollout, cfg, passes)
     assert (logp[rollout.completion_mask == 0] == 0).all() and (entropy >= 0).all()
     for row in (
         0,
@@ -328,15 +330,17 @@ def test_gradient_does_not_depend_on_micro_batching(tiny_model, method):
                 "2",
                 "--groups-per-micro-batch",
                 str(groups_per_micro_batch),
+                "--beta",
+                "0",  # no reference: the policy's own terms
             ]
         )
         torch.manual_seed(0)
-        rollout = cwgrpo.sample(model, tokenizer, batch, cfg, run_cfg)
-        rollout.advantages = torch.randn(
-            len(rollout.texts), generator=torch.Generator().manual_seed(1)
-        )
+        prompts = [ids for ids, _ in batch]
+        samples = cwgrpo.sample(model, tokenizer, prompts, cfg, share=run_cfg.share_prompts)
+        advantages = torch.randn(len(samples.texts), generator=torch.Generator().manual_seed(1))
         model.zero_grad()  # the step's gradient, micro-batch by micro-batch as the run takes it
-        step_gradient(model, rollout, cfg, run_cfg, autocast=FP32.autocast)
+        passes = cwgrpo.Passes.of(cfg, run_cfg)
+        step_gradient(model, batch_of(samples, advantages), cfg, passes, autocast=FP32.autocast)
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     model.zero_grad()
     assert grads[0].abs().sum() > 0
@@ -419,7 +423,7 @@ def test_the_chain_preset_builds_its_own_task_and_evaluates_on_every_problem(tmp
     assert presets.evaluate_options("paper-1.5b") == ()
     data = ["--model", str(out / "model"), "--dataset", str(out / "arithmetic.jsonl")]
     run = ["--steps", "2", "--output-dir", str(tmp_path / "r")]
-    cwgrpo.train(*cwgrpo.parse_config(["--preset", "tiny-chain", *data, *run]))
+    cwgrpo.main(*cwgrpo.parse_config(["--preset", "tiny-chain", *data, *run]))
     records = read_metrics(tmp_path / "r" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
     assert cwgrpo.parse_config(["--preset", "tiny-chain"])[0].model == str(
@@ -682,12 +686,36 @@ def loss_of(logp, old, ref, adv, weight, method, cfg_args=(), clip=True, mask=No
     """policy_loss with the token weights `weight` (given_weights): its per-token loss and the
     loss, over n_responses and n_tokens of `totals`."""
     cfg = dataclasses.replace(method_cfg(*cfg_args), method=method(weight, clip))
+    cfg = cfg if ref is not None else dataclasses.replace(cfg, beta=0.0)  # no reference, no KL
     mask = torch.ones_like(logp) if mask is None else mask
-    rows = cwgrpo.Rollout.scored(adv, mask, old_logp=old, ref_logp=ref, sampler_logp=old * mask)
+    tokens = group_of(logp, old, adv, mask)
     loss, parts = cwgrpo.policy_loss(
-        logp, torch.zeros_like(logp), rows, cfg, 0, n_responses=totals[0], n_tokens=totals[1]
+        tokens,
+        cwgrpo.method_terms(tokens, cfg),
+        cfg,
+        sampler_logp=old * mask,
+        ref_logp=ref,
+        n_responses=totals[0],
+        n_tokens=totals[1],
     )
     return parts.per_token, loss
+
+
+def group_of(logp, old, adv, mask, **more) -> cwgrpo.Group:
+    """Scored tokens as the methods and the loss read them, with no entropies or divergence
+    unless `more` gives them."""
+    fields = dict(entropy=torch.zeros_like(logp), batch_entropy=None, divergence=None)
+    return cwgrpo.Group(
+        logp, old_logp=old, advantages=adv, mask=mask, update_pass=0, **fields | more
+    )
+
+
+def batch_of(samples: cwgrpo.Samples, advantages, ref_logp=None) -> cwgrpo.Batch:
+    """Samples scored with these advantages (rewards 0), as the update reads them; none of the
+    rollout policy's own log-probs (one update a batch)."""
+    zeros = torch.zeros(len(samples.texts))
+    rewards = cwgrpo.Rewards(zeros, accuracy=zeros, format=zeros)
+    return cwgrpo.Batch.of(samples, rewards, advantages, old=None, ref_logp=ref_logp)
 
 
 def test_pg_term_without_clipping_is_minus_ratio_times_advantage(given_weights):
@@ -751,25 +779,24 @@ def test_every_method_gives_a_finite_loss_and_gradient_with_a_group_of_no_valid_
     logp = (-torch.rand(2 * G, T, generator=torch.Generator().manual_seed(0))).requires_grad_(True)
     mask = torch.ones(2 * G, T)
     mask[G:] = 0  # the second group has no valid token
-    rollout = cwgrpo.Rollout(
-        prompt_ids=torch.zeros(2 * G, 1, dtype=torch.long),
-        prompt_mask=torch.ones(2 * G, 1),
-        completion_ids=torch.zeros(2 * G, T, dtype=torch.long),
-        completion_mask=mask,
-        truncated=torch.zeros(2 * G, dtype=torch.bool),
-        texts=[""] * 2 * G,
-        sampler_logp=logp.detach() * mask,
-        golds=[""] * 2 * G,
-        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5] * 2),
+    cfg = method_cfg("--method", method, "--group-size", str(G))
+    tokens = group_of(
+        logp,
+        logp.detach() * mask,
+        torch.tensor([1.0, -1.0, 0.5, -0.5] * 2),
+        mask,
+        entropy=torch.rand(2 * G, T),
         divergence=torch.rand(2 * G, T) * mask,
         batch_entropy=torch.rand(G * T).sort().values,
-        ref_logp=logp.detach() - 0.1,
     )
-    cfg = method_cfg("--method", method, "--group-size", str(G))
-    rollout.old_logp = logp.detach() * mask
-    rollout.entropy = torch.rand(2 * G, T)
     loss, parts = cwgrpo.policy_loss(
-        logp, rollout.entropy, rollout, cfg, 0, n_responses=2 * G, n_tokens=int(mask.sum())
+        tokens,
+        cwgrpo.method_terms(tokens, cfg),
+        cfg,
+        sampler_logp=logp.detach() * mask,
+        ref_logp=logp.detach() - 0.1,
+        n_responses=2 * G,
+        n_tokens=int(mask.sum()),
     )
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
@@ -882,11 +909,17 @@ def test_cw_gradient_only_control_is_grpo_plus_the_gradient_through_the_weights(
         "detached": ("--cw-detach",),
         "control": ("--cw-reading", "gradient-only"),
     }.items():
-        cfg = method_cfg(*args, "--group-size", "6")
+        cfg = method_cfg(*args, "--group-size", "6", "--beta", "0")
         leaf = logp.clone().requires_grad_(True)
-        rows = cwgrpo.Rollout.scored(adv, mask, old_logp=leaf.detach() - 0.1)
+        tokens = group_of(leaf, leaf.detach() - 0.1, adv, mask)
         losses[name], _ = cwgrpo.policy_loss(
-            leaf, torch.zeros_like(leaf), rows, cfg, 0, n_responses=6, n_tokens=int(mask.sum())
+            tokens,
+            cwgrpo.method_terms(tokens, cfg),
+            cfg,
+            sampler_logp=torch.zeros_like(leaf),
+            ref_logp=None,
+            n_responses=6,
+            n_tokens=int(mask.sum()),
         )
         losses[name].backward()
         grads[name] = leaf.grad
@@ -970,7 +1003,7 @@ def test_log_probs_without_a_mask_equal_those_with_one_where_no_row_is_left_padd
     model = Qwen2ForCausalLM(Qwen2Config(**SMALL_SHAPE))
     cfg, run_cfg = cwgrpo.parse_config(["--group-size", "3", "--share-prompts", str(share)])
     prompts = torch.randint(0, 300, (1 if share else 3, 6))  # shared: a group of 3 rows
-    rollout = cwgrpo.Rollout(
+    rollout = cwgrpo.Samples(
         prompts.expand(3, 6),
         torch.ones(3, 6).long(),
         torch.randint(0, 300, (3, 7)),
@@ -978,11 +1011,10 @@ def test_log_probs_without_a_mask_equal_those_with_one_where_no_row_is_left_padd
         torch.zeros(3, dtype=torch.bool),
         [""] * 3,
         torch.zeros(3, 7),
-        [""] * 3,
     )
     with torch.no_grad():
-        logprobs = cwgrpo.logprobs_of_run(run_cfg, cfg.group_size)
-        logp, entropy, _ = logprobs(model.eval(), rollout, cfg.temperature)
+        passes = cwgrpo.Passes.of(cfg, run_cfg)
+        logp, entropy, _ = cwgrpo.completion_logprobs(model.eval(), rollout, cfg, passes)
         ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
         mask = torch.cat([rollout.prompt_mask, rollout.completion_mask.long()], 1)
         logits = model(input_ids=ids, attention_mask=mask).logits[:, 5:-1] / cfg.temperature
@@ -1048,10 +1080,16 @@ def test_the_correction_weights_only_the_policy_gradient_term():
     losses = {}
     for correction in ("none", "token_truncate"):
         cfg = method_cfg("--method", "grpo", "--beta", "0.1", "--sampler-correction", correction)
-        rows = cwgrpo.Rollout.scored(adv, torch.ones(1, 2), old_logp=old, ref_logp=ref)
-        rows.sampler_logp = old - rho.log()
-        entropy = torch.zeros_like(old)
-        _, parts = cwgrpo.policy_loss(logp, entropy, rows, cfg, 0, n_responses=1, n_tokens=2)
+        tokens = group_of(logp, old, adv, torch.ones(1, 2))
+        _, parts = cwgrpo.policy_loss(
+            tokens,
+            cwgrpo.method_terms(tokens, cfg),
+            cfg,
+            sampler_logp=old - rho.log(),
+            ref_logp=ref,
+            n_responses=1,
+            n_tokens=2,
+        )
         losses[correction] = parts.per_token
     plain, weighted = losses["none"], losses["token_truncate"]
     kl = 0.1 * cwgrpo.k3(logp, ref)
@@ -1069,15 +1107,18 @@ def test_the_logged_mismatch_is_the_sampler_against_the_trainer(tiny_base):
     tokenizer = loading.load_tokenizer(str(tiny_base / "model"))
     prompts = PromptStream(tiny.arithmetic_dataset(0), tokenizer, cfg)
     torch.manual_seed(0)
-    rollout = cwgrpo.sample(model, tokenizer, prompts.next_batch(2), cfg, run_cfg)
-    grades = [cwgrpo.Grade(float(i % 2), True, False) for i in range(len(rollout.texts))]
-    cwgrpo.rollout_rewards(rollout, grades, cfg)
-    autocast = FP32.autocast
+    questions = [ids for ids, _ in prompts.next_batch(2)]
+    samples = cwgrpo.sample(model, tokenizer, questions, cfg, share=run_cfg.share_prompts)
+    grades = [cwgrpo.Grade(float(i % 2), True, False) for i in range(len(samples.texts))]
+    rewards = cwgrpo.rewards_of(samples.texts, grades, cfg)
+    advantages = cwgrpo.group_advantages(rewards.total, cfg.group_size)
+    rollout = cwgrpo.Batch.of(samples, rewards, advantages, old=None, ref_logp=None)
+    autocast, passes = FP32.autocast, cwgrpo.Passes.of(cfg, run_cfg)
 
     def update() -> dict:  # the update's metrics, what a step logs
-        parts = step_gradient(model, rollout, cfg, run_cfg, autocast=autocast)
+        parts = step_gradient(model, rollout, cfg, passes, autocast=autocast)
         model.zero_grad()
-        values = [token_values(rows, loss_parts) for rows, _, loss_parts in parts]
+        values = [token_values(loss_parts, rows.sampler_logp) for rows, _, loss_parts in parts]
         return update_metrics(
             values, sum(loss.item() for _, loss, _ in parts), grad_norm=0.0, lr=0.0
         )
@@ -1167,17 +1208,22 @@ def test_under_fp16_the_log_probs_ratios_k3_and_weights_are_fp32(tiny_model):
     cfg, run_cfg = cwgrpo.parse_config(["--preset", "tiny", "--max-completion-length", "6"])
     batch = [(chat_prompt_ids(tokenizer, "1+2", ""), "\\boxed{3}")]
     with Precision.choose("fp16", CPU).autocast():
-        rollout = cwgrpo.sample(model, tokenizer, batch, cfg, run_cfg)
-        rollout.advantages, rollout.ref_logp = (
-            torch.randn(8),
-            torch.zeros_like(rollout.sampler_logp),
-        )
-        plain = dataclasses.replace(run_cfg, share_prompts=False, logit_chunk_elements=0)
-        for passes in (run_cfg, plain):  # the fast drop-in (default), and section 3's plain pass
-            logprobs = cwgrpo.logprobs_of_run(passes, cfg.group_size)
-            logp, entropy, hidden = logprobs(model, rollout, cfg.temperature)
+        prompts = [ids for ids, _ in batch]
+        samples = cwgrpo.sample(model, tokenizer, prompts, cfg, share=run_cfg.share_prompts)
+        rollout = batch_of(samples, torch.randn(8), ref_logp=torch.zeros_like(samples.sampler_logp))
+        default = cwgrpo.Passes.of(cfg, run_cfg)
+        plain = default._replace(share_prompts=False, logit_chunk_elements=0)
+        for passes in (default, plain):  # the chunked LM head (default), and the plain one
+            logp, entropy, hidden = cwgrpo.completion_logprobs(model, rollout, cfg, passes)
+            tokens = cwgrpo.Group.of(rollout, logp, entropy, update_pass=0)
             loss, parts = cwgrpo.policy_loss(
-                logp, entropy, rollout, cfg, 0, n_responses=8, n_tokens=8
+                tokens,
+                cwgrpo.method_terms(tokens, cfg),
+                cfg,
+                sampler_logp=rollout.sampler_logp,
+                ref_logp=rollout.ref_logp,
+                n_responses=8,
+                n_tokens=8,
             )
             weights = parts.terms.pg_weight
             assert {logp.dtype, weights.dtype, loss.dtype, parts.per_token.dtype} == {torch.float32}

@@ -74,10 +74,23 @@ def prompts(n: int, longest: int, vocab: int, seed: int) -> list[tuple[list[int]
     return [(torch.randint(0, vocab, (k,), generator=g).tolist(), "\\boxed{0}") for k in lengths]
 
 
-def mismatch(model, rollout, cfg, run_cfg) -> torch.Tensor:
+def mismatch(model, samples, cfg, passes) -> torch.Tensor:
     """|trainer - sampler| log-prob of each valid sampled token."""
-    logp = cwgrpo.policy_token_stats(model, rollout, cfg, run_cfg)["logp"]
-    return (logp - rollout.sampler_logp)[rollout.completion_mask.bool()].abs()
+    logp = cwgrpo.token_stats(model, samples, cfg, passes).logp
+    return (logp - samples.sampler_logp)[samples.completion_mask.bool()].abs()
+
+
+def sampled(model, tokenizer, batch, cfg, run_cfg, engine=None) -> cwgrpo.Samples:
+    """The batch's (prompt ids, gold) pairs sampled as the run's loop samples them."""
+    return cwgrpo.sample(
+        model,
+        tokenizer,
+        [ids for ids, _ in batch],
+        cfg,
+        chunk=run_cfg.rollout_chunk,
+        share=run_cfg.share_prompts,
+        engine=engine,
+    )
 
 
 def finite_after_left_padded_prefill(model, autocast) -> dict:
@@ -113,13 +126,14 @@ def vllm_check(model, tokenizer, cfg, run_cfg, batch, precision):
     pushed = time.perf_counter() - start
     if engine.sleeps:
         engine.llm.sleep(level=2)
+    passes = cwgrpo.Passes.of(cfg, run_cfg)
     with precision.autocast():
-        cwgrpo.sample(model, tokenizer, batch[:1], cfg, run_cfg, engine=engine)  # it compiles
+        sampled(model, tokenizer, batch[:1], cfg, run_cfg, engine=engine)  # it compiles
         start = time.perf_counter()
-        rollout = cwgrpo.sample(model, tokenizer, batch, cfg, run_cfg, engine=engine)
+        samples = sampled(model, tokenizer, batch, cfg, run_cfg, engine=engine)
         decode_s = time.perf_counter() - start
-        diff = mismatch(model, rollout, cfg, run_cfg)
-    generated = int(rollout.completion_mask.sum())
+        diff = mismatch(model, samples, cfg, passes)
+    generated = int(samples.completion_mask.sum())
     print(
         f"  vllm ({precision.vllm_dtype}): started in {started:.1f} s; decode "
         f"{generated / decode_s:,.0f} tokens/s ({decode_s:.1f} s; the loop's: its steps below), "
@@ -178,9 +192,9 @@ def check(config: dict, cfg, run_cfg, precision, steps: int, longest: int) -> No
         batch = prompts(cfg.prompts_per_step, longest, 256, 0)
         engine = vllm_check(model, tokenizer, cfg, run_cfg, batch, precision)
     trained = [p for p in model.parameters() if p.requires_grad]
-    fused = precision.device.type == "cuda"
-    optimizer = torch.optim.AdamW(trained, lr=cfg.learning_rate, fused=fused)
+    optimizer, scheduler = cwgrpo.optimizer_and_schedule(trained, cfg, updates=1)
     scaler = precision.scaler()
+    passes = cwgrpo.Passes.of(cfg, run_cfg)
     cuda = precision.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -189,34 +203,33 @@ def check(config: dict, cfg, run_cfg, precision, steps: int, longest: int) -> No
         start = time.perf_counter()
         with precision.autocast():
             batch = prompts(cfg.prompts_per_step, longest, 256, step)
-            rollout = cwgrpo.sample(model, tokenizer, batch, cfg, run_cfg)
-            generated = int(rollout.completion_mask.sum())
+            samples = sampled(model, tokenizer, batch, cfg, run_cfg)
+            generated = int(samples.completion_mask.sum())
             decode_s = time.perf_counter() - start
             decode_speeds.append(generated / decode_s)
-            with lora.reference_of(model, reference) as frozen:  # LoRA: the adapter off
-                rollout.ref_logp = cwgrpo.policy_token_stats(frozen, rollout, cfg, run_cfg)["logp"]
-            diff = mismatch(model, rollout, cfg, run_cfg)
-        rewards = torch.rand(len(rollout.texts), generator=torch.Generator().manual_seed(step))
-        rollout.advantages = cwgrpo.group_advantages(rewards, cfg.group_size).to(precision.device)
-        start = time.perf_counter()  # phases 5-7 of cwgrpo.training_loop
+            ref_logp = cwgrpo.reference_logprobs(model, reference, samples, cfg, passes)
+            diff = mismatch(model, samples, cfg, passes)
+        random_rewards = torch.rand(
+            len(samples.texts), generator=torch.Generator().manual_seed(step)
+        )
+        rewards = cwgrpo.Rewards(random_rewards, accuracy=random_rewards, format=random_rewards)
+        advantages = cwgrpo.group_advantages(rewards.total, cfg.group_size)
+        scored = cwgrpo.Batch.of(samples, rewards, advantages, old=None, ref_logp=ref_logp)
+        start = time.perf_counter()  # phases 3, 5-7 of cwgrpo.training_loop
         loss, token_values = 0.0, []
         for rows, micro_loss, parts in diagnose.step_gradient(
-            model, rollout, cfg, run_cfg, precision.autocast, scale=scaler.scale
+            model, scored, cfg, passes, precision.autocast, scale=scaler.scale
         ):
             loss += micro_loss.item()
-            token_values.append(token_values_of(rows, parts))
-        scaler.unscale_(optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(trained, cfg.max_grad_norm)
-        if torch.isfinite(grad_norm):
-            scaler.step(optimizer)
-        else:
-            skipped += 1
+            token_values.append(token_values_of(parts, rows.sampler_logp))
         scales.append(scaler.get_scale() if scaler.is_enabled() else None)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+        grad_norm, _, finite = cwgrpo.optimizer_step(
+            trained, optimizer, scheduler, scaler=scaler, max_grad_norm=cfg.max_grad_norm
+        )
+        skipped += not finite
         metrics = update_metrics(token_values, loss, grad_norm=grad_norm.item(), lr=0.0)
         update_s = time.perf_counter() - start
-        tokens = int(rollout.prompt_mask.sum()) + generated
+        tokens = int(samples.prompt_mask.sum()) + generated
         print(
             f"  step {step + 1}: decode {generated / decode_s:,.0f} tokens/s ({generated:,} "
             f"tokens, {decode_s:.1f} s); update {tokens / update_s:,.0f} tokens/s ({tokens:,} "

@@ -53,6 +53,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import cwgrpo
 from benchmarks.gpu_check import PAPER_CONFIG, TINY_CONFIG, card_precisions, prompts, random_model
 from cwgrpo_utils import REPOSITORY, loading, lora, memory_plan, presets, tiny
+from cwgrpo_utils.grading_pool import Grader
 from cwgrpo_utils.memory_plan import Architecture
 from cwgrpo_utils.precision import Precision
 from cwgrpo_utils.run_folder import read_records
@@ -191,13 +192,13 @@ def finite_left_padded_prefill(config: dict, device: torch.device) -> dict:
     return {"passed": finite, "kernel": kernel.name, "every_logit_finite": finite}
 
 
-def paper_batch(config: dict, cfg, device: torch.device, prompt: int, new: int):
+def paper_batch(config: dict, cfg, device: torch.device, prompt: int, new: int) -> cwgrpo.Batch:
     """The paper's batch of random tokens: cfg.prompts_per_step prompts of `prompt` tokens, G
-    completions of `new` tokens each, every one to the limit, random advantages."""
+    completions of `new` tokens each, every one to the limit, random rewards."""
     rows, vocab = cfg.prompts_per_step * cfg.group_size, config["vocab_size"]
     g = torch.Generator().manual_seed(0)
     prompt_ids = torch.randint(0, vocab, (cfg.prompts_per_step, prompt), generator=g)
-    return cwgrpo.Rollout(
+    samples = cwgrpo.Samples(
         prompt_ids=prompt_ids.repeat_interleave(cfg.group_size, 0).to(device),
         prompt_mask=torch.ones(rows, prompt, dtype=torch.long, device=device),
         completion_ids=torch.randint(0, vocab, (rows, new), generator=g).to(device),
@@ -205,8 +206,11 @@ def paper_batch(config: dict, cfg, device: torch.device, prompt: int, new: int):
         truncated=torch.ones(rows, dtype=torch.bool, device=device),
         texts=[""] * rows,
         sampler_logp=torch.zeros(rows, new, device=device),
-        advantages=torch.randn(rows, generator=g).to(device),
     )
+    random_rewards = torch.rand(rows, generator=g)
+    rewards = cwgrpo.Rewards(random_rewards, accuracy=random_rewards, format=random_rewards)
+    advantages = cwgrpo.group_advantages(rewards.total, cfg.group_size)
+    return cwgrpo.Batch.of(samples, rewards, advantages, old=None, ref_logp=None)
 
 
 def update_peak(
@@ -233,10 +237,11 @@ def update_peak(
     model = random_model(config, device)
     loading.enable_checkpointing(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
-    rollout = paper_batch(config, cfg, device, prompt=prompt, new=new)
+    batch = paper_batch(config, cfg, device, prompt=prompt, new=new)
+    passes = cwgrpo.Passes.of(cfg, run_cfg)
 
     def update():
-        diagnose.step_gradient(model, rollout, cfg, run_cfg, precision.autocast)
+        diagnose.step_gradient(model, batch, cfg, passes, precision.autocast)
 
     tolerance = TOLERANCE[device.type] if tolerance is None else tolerance
     update()  # a first update and step: AdamW's moments, the lazy allocations of the kernels
@@ -253,7 +258,7 @@ def update_peak(
     )
     planned_gb = (planned["phases"]["update"] - planned["resident"]) / GB
     measured = memory["allocated_gb"]
-    tokens = rollout.prompt_mask.numel() + rollout.completion_mask.numel()
+    tokens = batch.prompt_mask.numel() + batch.completion_mask.numel()
     return {
         "passed": abs(measured - planned_gb) <= tolerance * planned_gb,
         "precision": precision.name,
@@ -272,7 +277,7 @@ def grading_after_cuda(device: torch.device, gigabytes: float) -> dict:
     cases = [("so \\boxed{42}", "\\boxed{42}"), ("\\boxed{41}", "\\boxed{42}")] * 8
     start = time.perf_counter()
     with (
-        cwgrpo.Grader(timeout_s=10, workers=2) as grader,
+        Grader(cwgrpo.grade_accuracy, cwgrpo.TIMED_OUT, timeout_s=10, workers=2) as grader,
         concurrent.futures.ThreadPoolExecutor() as pool,
     ):
         grades = pool.submit(grader.map, [(c, g, "default") for c, g in cases])

@@ -61,22 +61,26 @@ def main() -> None:
         f"{torch.get_num_threads()} CPU threads, median of {args.repeats}"
     )
 
-    rows = cwgrpo.Rollout.scored(  # one scored group, as the update sees it
-        adv,
-        mask,
-        sampler_logp=old_logp,
-        old_logp=old_logp,
-        entropy=entropy,
-        divergence=divergence,
-        ref_logp=ref_logp,
-        batch_entropy=batch_entropy,
-    )
-
-    def step(method_name: str):
-        logp = old_logp.clone().requires_grad_(True)
+    def step(method_name: str):  # one group's terms, loss and backward, as the update's
         one = dataclasses.replace(cfg, method=method_name)
+        tokens = cwgrpo.Group(
+            old_logp.clone().requires_grad_(True),
+            old_logp=old_logp,
+            advantages=adv,
+            mask=mask,
+            entropy=entropy,
+            batch_entropy=batch_entropy,
+            divergence=divergence,
+            update_pass=0,
+        )
         loss, _ = cwgrpo.policy_loss(
-            logp, entropy, rows, one, update_pass=0, n_responses=G, n_tokens=int(mask.sum())
+            tokens,
+            cwgrpo.method_terms(tokens, one),
+            one,
+            sampler_logp=old_logp,
+            ref_logp=ref_logp,
+            n_responses=G,
+            n_tokens=int(mask.sum()),
         )
         loss.backward()
 

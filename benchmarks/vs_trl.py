@@ -36,6 +36,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 import cwgrpo
 from cwgrpo_utils import tiny
 from cwgrpo_utils.cli import require
+from cwgrpo_utils.grading_pool import Grader
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -81,7 +82,7 @@ def run_cwgrpo(args, base_model: Path, out: Path) -> list[float]:
             args.rollout,
         ]
     )
-    cwgrpo.train(cfg, run_cfg)
+    cwgrpo.main(cfg, run_cfg)
     return [
         json.loads(line)["time"]
         for line in (out / "cwgrpo" / "metrics.jsonl").read_text().splitlines()
@@ -92,7 +93,7 @@ def run_trl(args, base_model: Path, out: Path) -> list[float]:
     from trl import GRPOConfig, GRPOTrainer  # optional: TRL is no requirement of the project
 
     s = shared_settings(args)
-    grader = cwgrpo.Grader(workers=args.trl_reward_workers)
+    grader = Grader(cwgrpo.grade_accuracy, cwgrpo.TIMED_OUT, workers=args.trl_reward_workers)
 
     def reward(completions, solution, **_):  # cwgrpo's reward, as a TRL reward function
         texts = [c[0]["content"] for c in completions]

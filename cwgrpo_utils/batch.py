@@ -1,5 +1,12 @@
-"""A batch of rows of tensors, as cwgrpo.py's Rollout holds one: rows selected with their padding
-columns trimmed, and micro-batches of whole groups of consecutive rows."""
+"""A batch of rows of tensors, as cwgrpo.py's Samples and Batch hold one: rows selected with their
+padding columns trimmed, micro-batches of whole groups of consecutive rows, batches joined. Each
+field says on its own how it is padded (per_row, whole_batch), so nothing here knows a name.
+
+    @dataclass
+    class Samples(Rows):
+        prompt_ids: torch.Tensor = per_row("left", token_ids=True)  # (N, P)
+        truncated: torch.Tensor = per_row()  # (N,)
+"""
 
 import dataclasses
 
@@ -7,29 +14,38 @@ import torch
 import torch.nn.functional as F
 
 
+def per_row(padded: str = "", token_ids: bool = False, mask: bool = False):
+    """A field of one entry a row: a (N,) tensor or a list (padded ""), or (N, columns) padded on
+    the "left" (prompts) or the "right" (completions), with the pad token where it holds token ids
+    and with 0 elsewhere; `mask`: the side's mask, 1 where a row's real entries are."""
+    return dataclasses.field(metadata={"padded": padded, "token_ids": token_ids, "mask": mask})
+
+
+def whole_batch():
+    """A field of the whole batch (a statistic over all its rows), never sliced."""
+    return dataclasses.field(metadata={"whole_batch": True})
+
+
 class Rows:
-    """For a dataclass whose tensors have one row per completion: prompt_ids and prompt_mask
-    (N, P) left-padded, completion_mask and every other 2-D tensor (N, T) right-padded, 1-D tensors
-    and lists (N,); batch_entropy, a whole batch's, is never sliced."""
+    """For a dataclass whose fields are per_row or whole_batch ones."""
 
     @classmethod
     def joined(cls, parts: list, pad: int):
-        """The parts' rows, in order, as one batch: the prompts left-padded to the widest (ids
-        with `pad`, mask 0), the per-token tensors right-padded to the longest (completion_ids
-        with `pad`, the rest with 0)."""
+        """The parts' rows, in order, as one batch, each 2-D field padded to the widest on its
+        side (token ids with `pad`, the rest with 0)."""
         out = {}
         for f in dataclasses.fields(cls):
             values = [getattr(part, f.name) for part in parts]
-            if values[0] is None:
-                out[f.name] = None
+            if values[0] is None or f.metadata.get("whole_batch"):
+                out[f.name] = values[0]
             elif isinstance(values[0], list):
                 out[f.name] = [item for value in values for item in value]
-            elif values[0].dim() == 1:
+            elif not f.metadata["padded"]:
                 out[f.name] = torch.cat(values)
             else:
                 width = max(value.shape[1] for value in values)
-                fill = pad if f.name in ("prompt_ids", "completion_ids") else 0
-                left = f.name in ("prompt_ids", "prompt_mask")
+                fill = pad if f.metadata["token_ids"] else 0
+                left = f.metadata["padded"] == "left"
                 sides = [
                     (width - v.shape[1], 0) if left else (0, width - v.shape[1]) for v in values
                 ]
@@ -37,45 +53,36 @@ class Rows:
                 out[f.name] = torch.cat(padded)
         return cls(**out)
 
-    @classmethod
-    def scored(cls, advantages: torch.Tensor, completion_mask: torch.Tensor, **tensors):
-        """Scored rows as the loss reads them, for callers that hold no prompt (verl, a benchmark,
-        the tests): each row's advantage, the (N, T) mask and the (N, T) tensors given (old_logp,
-        ref_logp, sampler_logp: 0 if not given, ...); an empty prompt and zero ids, which the loss
-        never reads."""
-        n, t = completion_mask.shape
-        device = completion_mask.device
-        return cls(
-            prompt_ids=torch.zeros(n, 0, dtype=torch.long, device=device),
-            prompt_mask=torch.zeros(n, 0, dtype=torch.long, device=device),
-            completion_ids=torch.zeros(n, t, dtype=torch.long, device=device),
-            completion_mask=completion_mask,
-            truncated=torch.zeros(n, dtype=torch.bool, device=device),
-            texts=[""] * n,
-            sampler_logp=tensors.pop("sampler_logp", torch.zeros_like(completion_mask)),
-            advantages=advantages,
-            **tensors,
-        )
-
     def select(self, start: int, stop: int):
-        """Rows [start, stop), with their all-padding columns trimmed off."""
+        """Rows [start, stop), with their all-padding columns trimmed off: on the left those where
+        no row's prompt has begun, on the right those after the longest completion."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        for name, value in out.items():
-            if value is not None and name != "batch_entropy":  # the batch's, not a row's
-                out[name] = value[start:stop]
-        first_prompt_column = int(out["prompt_mask"].any(0).nonzero()[0, 0])
-        completion_len = int(out["completion_mask"].sum(1).max())
-        for name, value in out.items():
-            if name in ("prompt_ids", "prompt_mask"):
-                out[name] = value[:, first_prompt_column:]
-            elif isinstance(value, torch.Tensor) and value.dim() == 2:  # (N, T): per token
-                out[name] = value[:, :completion_len]
+        for f in dataclasses.fields(self):
+            if out[f.name] is not None and not f.metadata.get("whole_batch"):
+                out[f.name] = out[f.name][start:stop]
+        first_prompt_column = int(out[self.mask("left")].any(0).nonzero()[0, 0])
+        completion_len = int(out[self.mask("right")].sum(1).max())
+        for f in dataclasses.fields(self):
+            if out[f.name] is not None and f.metadata.get("padded") == "left":
+                out[f.name] = out[f.name][:, first_prompt_column:]
+            elif out[f.name] is not None and f.metadata.get("padded") == "right":
+                out[f.name] = out[f.name][:, :completion_len]
         return type(self)(**out)
 
-    def micro_batches(self, rows: int):
-        """(block, part) for each micro-batch of `rows` consecutive rows (whole groups): the part's
+    @classmethod
+    def mask(cls, side: str) -> str:
+        """The name of the mask of the fields padded on `side`."""
+        fields = dataclasses.fields(cls)
+        return next(
+            f.name for f in fields if f.metadata.get("mask") and f.metadata["padded"] == side
+        )
+
+    def micro_batches(self, n_rows: int):
+        """(block, part) for each micro-batch of n_rows consecutive rows (whole groups): the part's
         rows with their padding columns trimmed, and the (rows, columns) block of this batch's
-        (N, T) tensors it fills."""
-        for start in range(0, len(self.completion_mask), rows):
-            part = self.select(start, start + rows)
-            yield (slice(start, start + rows), slice(0, part.completion_mask.shape[1])), part
+        right-padded (N, T) tensors it fills."""
+        total = len(getattr(self, self.mask("right")))
+        for start in range(0, total, n_rows):
+            part = self.select(start, start + n_rows)
+            width = getattr(part, self.mask("right")).shape[1]
+            yield (slice(start, start + n_rows), slice(0, width)), part

@@ -1,5 +1,5 @@
-"""Grading in worker processes, each call under a hard wall-clock limit: cwgrpo.py's Grader runs
-its math-verify reward here.
+"""Grading in worker processes, each call under a hard wall-clock limit: the Grader runs cwgrpo.py's
+math-verify reward here, and evaluate.py's grading.
 
 math-verify's own timeout uses SIGALRM, which works only on a main thread and cannot interrupt
 every hang (sympy evaluating 9^9^9^9), while killing a process always works. A call that overruns
@@ -158,6 +158,19 @@ class CachedTimeoutPool(TimeoutPool):
 
         running.add_done_callback(answer)
         return done
+
+
+class Grader(CachedTimeoutPool):
+    """A grade function (cwgrpo.py's grade_accuracy, or evaluate.py's paper grading) in worker
+    processes under a hard time limit, cached since grading is pure: a completion the limit cuts
+    off gets `on_timeout`. workers 0: one per core, at most 8."""
+
+    def __init__(self, grade: Callable, on_timeout, timeout_s: float = 10.0, workers: int = 1):
+        workers = workers or min(8, os.cpu_count() or 1)
+        super().__init__(grade, workers, timeout_s, on_timeout=on_timeout)
+
+    def grade(self, completion: str, gold: str, gold_format: str = "default"):
+        return self.map([(completion, gold, gold_format)])[0]
 
 
 class LogCounter(logging.Handler):

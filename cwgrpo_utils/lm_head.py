@@ -1,10 +1,10 @@
 """lm_head.py: log-probs and entropies through the LM head without holding vocab x length logits.
 
-The fast drop-in for cwgrpo.py's log-probs (fast_logprobs.py) computes them here. At Qwen's
-vocabulary (151,936) a 4,096-token completion has 622M logits, 2.5 GB in float32, and backward
-needs as much again; computing them
-chunk of positions by chunk, and recomputing each chunk in backward, keeps two chunks alive at
-most. ICT's divergence streams over the same distributions. This module knows nothing of cwgrpo.
+cwgrpo.py's section 3 computes its log-probs here where --logit-chunk-elements is set (the
+default). At Qwen's vocabulary (151,936) a 4,096-token completion has 622M logits, 2.5 GB in
+float32, and backward needs as much again; computing them chunk of positions by chunk, and
+recomputing each chunk in backward, keeps two chunks alive at most. ICT's divergence streams over
+the same distributions. This module knows nothing of cwgrpo.
 """
 
 import torch
@@ -72,6 +72,28 @@ def chunked_logprobs(
     at once."""
     width = max(1, chunk_elements // weight.shape[0])
     return ChunkedLogProbs.apply(hidden, weight, targets, temperature, width)
+
+
+def valid_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    temperature: float,
+    chunk_elements: int,
+):
+    """(rows, T) log-probs of the tokens `ids` and the entropies, from the (rows, T, hidden) states
+    that predict them, at the valid positions (mask) only, chunk_elements logits at once; 0 on
+    padding."""
+    valid = mask.bool()
+    logp_valid, entropy_valid = chunked_logprobs(
+        hidden[valid], weight, ids[valid], temperature=temperature, chunk_elements=chunk_elements
+    )  # (valid tokens,) each
+    logp = torch.zeros(valid.shape, device=hidden.device, dtype=logp_valid.dtype)  # (rows, T)
+    entropy = torch.zeros_like(logp)
+    logp[valid] = logp_valid
+    entropy[valid] = entropy_valid
+    return logp, entropy
 
 
 @torch.no_grad()

@@ -36,6 +36,7 @@ from huggingface_hub import hf_hub_download
 
 from cwgrpo_utils import checkpoints
 from cwgrpo_utils.precision import capability_choice
+from cwgrpo_utils.run_config import RunConfig, micro_batch_rows
 
 SHIPPED_CONFIGS = Path(__file__).resolve().parent / "model_configs"
 # Common cards: name, memory in GB (as sold) and compute capability, from which auto's precision
@@ -178,15 +179,32 @@ class PlanOptions:
     precision: str = "auto"  # fp32: no half-precision copy of anything (bf16 and fp16: alike)
 
     @classmethod
-    def of(cls, *options) -> "PlanOptions":
-        """From the option dataclasses that hold these fields (cwgrpo.py's Config and RunConfig)."""
-        found = {}
-        for source in options:
-            found |= {f.name: getattr(source, f.name) for f in dataclasses.fields(source)}
-        return cls(**{f.name: found[f.name] for f in dataclasses.fields(cls)})
+    def of(cls, cfg, run_cfg: RunConfig) -> "PlanOptions":
+        """A run's: cfg its algorithm's options (cwgrpo.py's Config), run_cfg its run's."""
+        return cls(
+            group_size=cfg.group_size,
+            prompts_per_step=cfg.prompts_per_step,
+            groups_per_micro_batch=run_cfg.groups_per_micro_batch,
+            rollout_chunk=run_cfg.rollout_chunk,
+            max_prompt_length=cfg.max_prompt_length,
+            max_completion_length=cfg.max_completion_length,
+            length_limit=cfg.length_limit,
+            beta=cfg.beta,
+            gradient_checkpointing=run_cfg.gradient_checkpointing,
+            share_prompts=run_cfg.share_prompts,
+            logit_chunk_elements=run_cfg.logit_chunk_elements,
+            lora_rank=run_cfg.lora_rank,
+            lora_target_modules=run_cfg.lora_target_modules,
+            rollout=run_cfg.rollout,
+            vllm_gpu_memory_utilization=run_cfg.vllm_gpu_memory_utilization,
+            steps=cfg.steps,
+            save_every=run_cfg.save_every,
+            save_total_limit=run_cfg.save_total_limit,
+            precision=run_cfg.precision,
+        )
 
     @property
-    def rows(self) -> int:  # completions a step
+    def n_rows(self) -> int:  # completions a step
         return self.prompts_per_step * self.group_size
 
     @property
@@ -198,7 +216,7 @@ class PlanOptions:
 
     @property
     def micro_rows(self) -> int:  # rows in one forward and backward pass
-        return (self.groups_per_micro_batch or self.prompts_per_step) * self.group_size
+        return micro_batch_rows(self.groups_per_micro_batch, self.prompts_per_step, self.group_size)
 
     @property
     def positions(self) -> int:  # prompt + completion positions a row holds at most
@@ -273,7 +291,7 @@ def plan(model: str, options: PlanOptions, cuda: bool = True) -> dict:
         "engine_weights": half * n if engine_share else 0,
         "engine_row_kv": positions * arch.layers * 2 * arch.kv_width * half,
         "disk": disk(n, trained, options, half),
-        "rows": options.rows,
+        "n_rows": options.n_rows,
         "group_size": options.group_size,
         "positions": positions,
     }
@@ -291,23 +309,23 @@ def activations(arch: Architecture, options: PlanOptions, cuda: bool) -> tuple[i
     LoRA: the frozen norms keep no normalised input for their weights' gradient (2 H fp32), and
     each adapter's B keeps its r-wide A x (measured with every linear layer adapted; with fewer,
     the frozen layers keep less, so this is an upper bound)."""
-    rows, rank, hidden = options.micro_rows, options.lora_rank, arch.hidden
+    n_rows, rank, hidden = options.micro_rows, options.lora_rank, arch.hidden
     adapters_per_layer = len(arch.adapted(options.lora_target_modules)) // arch.layers
     lora_change = (2 if cuda else 4) * rank * adapters_per_layer - 2 * hidden * 4 if rank else 0
-    head = rows * options.max_completion_length * hidden * 4  # the LM head's input (lm_head.py)
+    head = n_rows * options.max_completion_length * hidden * 4  # the LM head's input (lm_head.py)
     completion, positions = options.max_completion_length, options.positions
     if options.share_prompts:  # completions of up to max_completion_length, within positions
-        prompts, prompt = rows // options.group_size, options.max_prompt_length
-        layer = masked_layer(arch, cuda, rows, completion, positions, lora_change)
+        prompts, prompt = n_rows // options.group_size, options.max_prompt_length
+        layer = masked_layer(arch, cuda, n_rows, completion, positions, lora_change)
         prompt_layer = masked_layer(arch, cuda, prompts, prompt, prompt, lora_change)
-        completions, prompt_tokens = rows * completion, prompts * prompt
+        completions, prompt_tokens = n_rows * completion, prompts * prompt
     else:
-        layer = masked_layer(arch, cuda, rows, positions, positions, lora_change)
-        completions, prompt_tokens, prompt_layer = rows * positions, 0, 0
+        layer = masked_layer(arch, cuda, n_rows, positions, positions, lora_change)
+        completions, prompt_tokens, prompt_layer = n_rows * positions, 0, 0
     if options.gradient_checkpointing:  # each layer's input, the final norm's
         checkpointed = completions * hidden * 4 * (arch.layers + 2 - (rank > 0))
         recomputed = max(layer, prompt_layer * arch.layers)  # the prompt pass is one checkpoint
-        return checkpointed + rows * options.positions * 12 + head, recomputed
+        return checkpointed + n_rows * options.positions * 12 + head, recomputed
     tokens = completions + prompt_tokens
     final_norm = 0 if rank else 2 * tokens * hidden * 4  # frozen: only its input, kept anyway
     rotary = tokens * 4 * (arch.head_dim // 2 + 3)
@@ -315,15 +333,15 @@ def activations(arch: Architecture, options: PlanOptions, cuda: bool) -> tuple[i
 
 
 def masked_layer(
-    arch: Architecture, cuda: bool, rows: int, queries: int, keys: int, lora_change: int
+    arch: Architecture, cuda: bool, n_rows: int, queries: int, keys: int, lora_change: int
 ) -> int:
-    """Bytes one decoder layer saves for rows of `queries` tokens, each attending under a mask to
-    its row's `keys` positions: layer_activation_bytes's a query token, the keys and values
+    """Bytes one decoder layer saves for n_rows rows of `queries` tokens, each attending under a
+    mask to its row's `keys` positions: layer_activation_bytes's a query token, the keys and values
     repeated to every query head, and the mask, one element a query and key."""
     element = 2 if cuda else 4  # what autocast computes in
     per_query = layer_activation_bytes(arch, cuda) + lora_change - 2 * arch.kv_width * element
     repeated = keys * 2 * arch.heads * arch.head_dim * element
-    return rows * (queries * per_query + repeated + queries * keys * element)
+    return n_rows * (queries * per_query + repeated + queries * keys * element)
 
 
 def layer_activation_bytes(arch: Architecture, cuda: bool) -> int:
@@ -359,17 +377,17 @@ def engine_memory(p: dict, card_bytes: float) -> dict:
     if not p["engine_share"]:
         return {"weights": 0, "graphs": 0, "kv_cache": 0, "group": 0, "total": 0}
     kv_cache = engine_kv_cache(
-        p["engine_row_kv"], p["rows"], p["engine_weights"], p["engine_share"], card_bytes
+        p["engine_row_kv"], p["n_rows"], p["engine_weights"], p["engine_share"], card_bytes
     )
     out = {"weights": p["engine_weights"], "graphs": CUDA_GRAPHS, "kv_cache": kv_cache}
     return out | {"group": p["group_size"] * p["engine_row_kv"], "total": sum(out.values())}
 
 
-def engine_kv_cache(row_kv: int, rows: int, weights: int, share: float, card_bytes: float) -> int:
-    """The bytes of KV cache the vLLM engine is given on a card (vllm_engine.py pins it): `rows`
+def engine_kv_cache(row_kv: int, n_rows: int, weights: int, share: float, card_bytes: float) -> int:
+    """The bytes of KV cache the vLLM engine is given on a card (vllm_engine.py pins it): n_rows
     rows of row_kv bytes each, or what `share` of card_bytes leaves after its weights and CUDA
     graphs, whichever is less."""
-    return int(max(0, min(rows * row_kv, share * card_bytes - weights - CUDA_GRAPHS)))
+    return int(max(0, min(n_rows * row_kv, share * card_bytes - weights - CUDA_GRAPHS)))
 
 
 def holds(p: dict, card_bytes: float, free_bytes: float | None = None) -> bool:
@@ -424,14 +442,14 @@ def report(model: str, options: PlanOptions) -> str:
     p = plan(model, options)
     precision = "fp32" if options.precision == "fp32" else "bf16 or fp16"
     lines = [
-        f"{model}: {p['parameters']:,} parameters; {p['rows']} rows of up to "
+        f"{model}: {p['parameters']:,} parameters; {p['n_rows']} rows of up to "
         f"{p['positions']:,} positions a step",
         f"memory (CUDA, {precision} autocast):" if precision != "fp32" else "memory (CUDA, fp32):",
     ]
     lines += [f"  {name:32s} {size / GB:8.2f} GB" for name, size in p["items"].items() if size]
     lines += [f"  peak in {name:24s} {size / GB:8.2f} GB" for name, size in p["phases"].items()]
     if p["engine_share"]:
-        kv_cache = p["rows"] * p["engine_row_kv"]
+        kv_cache = p["n_rows"] * p["engine_row_kv"]
         lines.append(
             f"  vLLM engine while sampling, within {p['engine_share']:.0%} of the card: its "
             f"weights {p['engine_weights'] / GB:.2f} GB, CUDA graphs up to {CUDA_GRAPHS / GB:.0f} "

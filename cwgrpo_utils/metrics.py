@@ -14,19 +14,19 @@ GRADING_PROBLEMS = {
 }
 
 
-def rollout_metrics(rollout, formats: torch.Tensor, grades: list, group_size: int) -> dict:
-    """A scored rollout batch's figures (its rewards and accuracy set, formats its format
-    rewards); completions scored 0 unread (an unparseable gold, a grading cut off) are said once
-    and counted."""
-    group_std = rollout.rewards.view(-1, group_size).std(1)
+def rollout_metrics(samples, rewards, grades: list, group_size: int) -> dict:
+    """A graded batch's figures, from its samples and rewards (cwgrpo.py's Samples and Rewards);
+    completions that scored 0 unread (an unparseable gold, a grading cut off) are said once and
+    counted."""
+    group_std = rewards.total.view(-1, group_size).std(1)
     metrics = {
-        "reward_mean": rollout.rewards.mean().item(),
-        "reward_std": rollout.rewards.std().item(),
-        "accuracy_mean": rollout.accuracy.mean().item(),
-        "format_mean": formats.mean().item(),
+        "reward_mean": rewards.total.mean().item(),
+        "reward_std": rewards.total.std().item(),
+        "accuracy_mean": rewards.accuracy.mean().item(),
+        "format_mean": rewards.format.mean().item(),
         "frac_zero_std_groups": (group_std == 0).float().mean().item(),
-        "completion_len_mean": rollout.completion_mask.sum(1).mean().item(),
-        "truncated_frac": rollout.truncated.float().mean().item(),
+        "completion_len_mean": samples.completion_mask.sum(1).mean().item(),
+        "truncated_frac": samples.truncated.float().mean().item(),
         "gold_unparseable": sum(not g.gold_parsed for g in grades),
         "grading_timeouts": sum(g.timed_out for g in grades),
     }
@@ -52,26 +52,26 @@ def touched_tokens(terms) -> torch.Tensor:
     return touched
 
 
-def token_values(rows, parts) -> dict:
-    """Per valid token of a micro-batch (a Rollout's rows), what update_metrics averages, from its
-    loss's LossParts: the entropy, the KL (k3; 0 without a reference), the PPO-clipped tokens, the
-    method's weights and the tokens they touch, and the trainer's log-prob l (old_logp) against the
-    sampler's s."""
-    terms = parts.terms
+def token_values(parts, sampler_logp: torch.Tensor) -> dict:
+    """Per valid token of a micro-batch, what update_metrics averages, from its loss's LossParts
+    (cwgrpo.py's) and the sampler's log-probs s: the entropy, the KL (k3; 0 without a reference),
+    the PPO-clipped tokens, the method's weights and the tokens they touch, and the trainer's
+    log-prob l (the rollout policy's) against s."""
+    terms, tokens = parts.terms, parts.tokens
     w = terms.pg_weight.detach()
     active = torch.ones_like(w) if terms.active is None else terms.active
-    log_c = parts.old_logp - rows.sampler_logp  # the sampler correction c, in log space
+    log_r = tokens.old_logp - sampler_logp  # the sampler correction r, in log space
     per_token = {
-        "entropy": parts.entropy,
+        "entropy": tokens.entropy,
         "kl": torch.zeros_like(w) if parts.kl is None else parts.kl,
         "clipped": parts.clipped,
         "w": w,
         "touched": touched_tokens(terms),
         "pg_on": (w != 0) & (active != 0),
-        "sampler_diff": log_c.abs(),
-        "correction": log_c.exp(),
+        "sampler_diff": log_r.abs(),
+        "correction": log_r.exp(),
     }
-    return {name: values[rows.completion_mask.bool()].float() for name, values in per_token.items()}
+    return {name: values[tokens.mask.bool()].float() for name, values in per_token.items()}
 
 
 def update_metrics(per_token: list[dict], loss: float, grad_norm: float, lr: float) -> dict:

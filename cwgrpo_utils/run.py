@@ -1,15 +1,16 @@
 """A cwgrpo.py run's machinery, everything around the algorithm: what it prints, its folder (lock,
-stop signals, resume, metrics.jsonl, trackers), the device, precision and threads, the memory
-phases, the records and progress, the skipped steps, the checkpoints, curves and token page.
-cwgrpo.py's training loop hands it each step in a few calls:
+stop signals, resume, metrics.jsonl, trackers), the device, precision and threads, what it loads,
+the memory phases, the records and progress, the skipped steps, the checkpoints, curves and token
+page. cwgrpo.py's main and training loop hand it each step in a few calls:
 
     with Run(cfg, run_cfg) as run:              # checked, locked, its header printed
-        run.start(grader)                           # run_config.json; records kept on resume
-        start = run.begin(optimizer, scheduler, scaler=..., prompts=..., updates_per_step=...)
-        with run.phase("sampling", step): ...       # out of memory: one line and the lever
-        run.rollout_scored(step, model=..., rollout=...)  # the token page, a tool's hook
-        run.log_update(step, update_index, update_pass, figures, finite)  # a metrics.jsonl line
-        run.end_step(step, model, tokenizer)        # progress; a checkpoint when due
+        run.start(grader)                           # the data; run_config.json; records kept
+        model, reference, tokenizer, prompts, engine = run.load()
+        start = run.begin(optimizer, scheduler, scaler=..., prompts=...)
+        with run.phase("sampling", rollout_step): ...   # out of memory: one line and the lever
+        run.rollout_scored(rollout_step, model=..., batch=...)  # the token page, a tool's hook
+        run.log_update(step, rollout_step, update_pass, figures, finite)  # a metrics.jsonl line
+        run.end_step(rollout_step, model, tokenizer)    # progress; a checkpoint when due
         run.finish(model, tokenizer)                # the final model
     print(run.summary())
 """
@@ -33,14 +34,23 @@ from cwgrpo_utils import (
     tiny,
 )
 from cwgrpo_utils.cli import command, shown_path
-from cwgrpo_utils.loading import check_model_path, resolve_device
+from cwgrpo_utils.loading import (
+    check_model_path,
+    load_dataset,
+    load_policy,
+    load_reference,
+    load_tokenizer,
+    resolve_device,
+)
 from cwgrpo_utils.memory_plan import OutOfMemory, PlanOptions
 from cwgrpo_utils.metrics import GRADING_PROBLEMS
 from cwgrpo_utils.precision import Precision, SkippedSteps
 from cwgrpo_utils.presets import CPU_PRESETS, GPU_PRESETS, final_model_evaluation
+from cwgrpo_utils.prompts import PromptStream
 from cwgrpo_utils.run_config import RunConfig
 from cwgrpo_utils.run_folder import Progress, RunFolder, read_records
 from cwgrpo_utils.token_page import TokenPage
+from cwgrpo_utils.vllm_engine import Engine
 
 
 class Run:
@@ -114,8 +124,12 @@ class Run:
         return self.folder.finished(self.cfg.steps)
 
     def start(self, grader) -> None:
-        """run_config.json with what the run used, and on resume the records after its checkpoint
-        dropped; then it says what it loads."""
+        """The data loaded; run_config.json with what the run used, and on resume the records
+        after its checkpoint dropped; then it says what it loads."""
+        cfg = self.cfg
+        self.dataset = load_dataset(
+            cfg.dataset, cfg.dataset_split, cfg.question_column, gold_column=cfg.gold_column
+        )
         self.folder.start(
             torch_threads=torch.get_num_threads(),
             threads_because=self.threads,
@@ -124,20 +138,36 @@ class Run:
         )
         print(f"loading {shown_path(self.weights)} ...", flush=True)
 
-    def show_tokens(self, tokenizer, methods: dict, weigh, hook=None) -> None:
+    def load(self):
+        """What the run trains and samples with: the policy (a checkpoint's on resume), the KL's
+        reference (a frozen copy; none under LoRA, whose base is it, or at beta 0), the
+        tokenizer, the data's prompts in their seeded order, and the vLLM engine (--rollout
+        vllm; else None)."""
+        cfg, run_cfg = self.cfg, self.run_cfg
+        tokenizer = load_tokenizer(self.weights)
+        prompts = PromptStream(self.dataset, tokenizer, cfg)
+        model = load_policy(cfg, run_cfg, self.resume_from, self.precision)
+        frozen_copy = cfg.beta > 0 and not run_cfg.lora_rank
+        reference = load_reference(cfg.model, self.precision) if frozen_copy else None
+        engine = None
+        if run_cfg.rollout == "vllm":
+            engine = Engine.for_run(cfg, run_cfg, self.precision)
+        return model, reference, tokenizer, prompts, engine
+
+    def show_tokens(self, tokenizer, methods: dict, weigh, log_prob_passes, hook=None) -> None:
         """tokens.html at the first and last steps (token_page.py; weigh: every method's weights
-        of a batch's rows), and a tool's hook, each called with every scored rollout batch."""
-        page = TokenPage(self.folder, self.cfg, tokenizer, methods=methods, weigh=weigh)
+        of a batch's rows), and a tool's hook, each called with every scored batch."""
+        page = TokenPage(self.folder, self.cfg, tokenizer, methods, weigh, log_prob_passes)
         self.hooks = [page] if hook is None else [page, hook]
 
-    def begin(self, optimizer, scheduler, scaler, prompts, updates_per_step: int) -> int:
+    def begin(self, optimizer, scheduler, scaler, prompts) -> int:
         """The rollout steps done before this start: a resumed run's checkpoint step, with the
         optimizer, schedule, loss scaler, skipped steps, RNG states and the prompts' position as it
         saved them; 0 for a new run."""
         self.skipped = SkippedSteps(self.run_cfg.max_skipped_steps)  # non-finite gradients
         self.stateful = dict(optimizer=optimizer, scheduler=scheduler, scaler=scaler)
         self.stateful["skipped"] = self.skipped
-        self.scaler, self.prompts, self.updates_per_step = scaler, prompts, updates_per_step
+        self.scaler, self.prompts = scaler, prompts
         start = 0
         if self.resume_from is not None:
             state = checkpoints.restore(self.resume_from, self.stateful)
@@ -152,27 +182,28 @@ class Run:
         self.clock = time.perf_counter()  # what a step's phases took, for metrics.jsonl
         return start
 
-    def phase(self, name: str, step: int):
+    def phase(self, name: str, rollout_step: int):
         """A context in which running out of GPU memory stops the run in one line: the phase and
-        step, the plan's peak there, the option that lowers it, and the command that resumes."""
-        return self.memory.phase(name, step)
+        rollout step, the plan's peak there, the option that lowers it, the command that
+        resumes."""
+        return self.memory.phase(name, rollout_step)
 
-    def rollout_scored(self, step: int, model, rollout) -> None:
-        """A scored rollout batch, before its update: its time, then the hooks."""
-        self.rollout, self.rollout_s = rollout, time.perf_counter() - self.clock
+    def rollout_scored(self, rollout_step: int, model, batch) -> None:
+        """A scored batch, before its update: its time, then the hooks."""
+        self.batch, self.rollout_s = batch, time.perf_counter() - self.clock
         for hook in self.hooks:
-            hook(step=step, model=model, rollout=rollout, autocast=self.precision.autocast)
+            hook(rollout_step, model=model, batch=batch, autocast=self.precision.autocast)
         self.clock = time.perf_counter()
 
-    def log_update(self, step: int, update_index: int, update_pass: int, figures, finite) -> None:
+    def log_update(self, step: int, rollout_step: int, update_pass: int, figures, finite) -> None:
         """An optimizer step's line of metrics.jsonl (and the trackers'), from the rollout's and
         the update's figures; after --max-skipped-steps non-finite ones in a row, the run stops."""
         update_s = time.perf_counter() - self.clock
         self.skipped.count(finite)
-        tokens = self.rollout.completion_mask.sum().item()
+        tokens = self.batch.completion_mask.sum().item()
         self.record = {
-            "step": (step - 1) * self.updates_per_step + update_index + 1,
-            "rollout_step": step,
+            "step": step,
+            "rollout_step": rollout_step,
             "update_pass": update_pass,
             **figures,
             "skipped_steps": self.skipped.total,
@@ -188,21 +219,23 @@ class Run:
         self.skipped.stop_if_too_many(self.folder, self.record)
         self.clock = time.perf_counter()
 
-    def end_step(self, step: int, model, tokenizer) -> None:
+    def end_step(self, rollout_step: int, model, tokenizer) -> None:
         """The progress bar (the step's last record); a checkpoint and the curves every
         --save-every steps, after the last, and after Ctrl-C or SIGTERM, when the run then stops."""
         self.progress.step(self.record)
         if (
-            step % self.run_cfg.save_every == 0
-            or step == self.cfg.steps
+            rollout_step % self.run_cfg.save_every == 0
+            or rollout_step == self.cfg.steps
             or self.folder.stop.requested
         ):
             position = self.prompts.position
-            state = checkpoints.trainer_state(self.stateful, step, data_position=position)
-            self.folder.save(step, model, tokenizer, state)
+            state = checkpoints.trainer_state(self.stateful, rollout_step, data_position=position)
+            self.folder.save(rollout_step, model, tokenizer, state)
             title = f"{self.cfg.method} on {self.cfg.model}, seed {self.cfg.seed}"
             plots.draw_curves(self.folder.path, title)
-        self.folder.stop_if_requested(step)  # after a Ctrl-C or SIGTERM: with that checkpoint
+        self.folder.stop_if_requested(
+            rollout_step
+        )  # after a Ctrl-C or SIGTERM: with that checkpoint
         self.clock = time.perf_counter()
 
     def finish(self, model, tokenizer) -> None:

@@ -8,7 +8,17 @@ from pathlib import Path
 from typing import Literal
 
 from cwgrpo_utils import PRECISIONS, trackers
-from cwgrpo_utils.cli import arg, check_ranges, require, require_engine_in_process
+from cwgrpo_utils.cli import (
+    arg,
+    check,
+    check_implied,
+    check_ranges,
+    note_unused,
+    parse_dataclasses,
+    require,
+    require_engine_in_process,
+)
+from cwgrpo_utils.presets import PRESETS
 
 
 @dataclass
@@ -64,3 +74,33 @@ def check_output_dir(output_dir: str, resume: bool, overwrite: bool) -> None:
             f"error: {output_dir} already holds a run; pass --resume to continue it, "
             "--overwrite-output-dir to start afresh, or choose another --output-dir"
         )
+
+
+def micro_batch_rows(groups_per_micro_batch: int, prompts_per_step: int, group_size: int) -> int:
+    """The rows a forward (and backward) pass holds: --groups-per-micro-batch whole groups (0: all
+    of a step's)."""
+    return (groups_per_micro_batch or prompts_per_step) * group_size
+
+
+def parse_run(
+    config_type, argv: list, *extra, method_options: dict, readings: dict, **parser_options
+) -> list:
+    """[config_type (cwgrpo.py's Config), RunConfig, and one of each dataclass of `extra`] from
+    argv, the --preset's values as defaults: an option that only another --method reads noted
+    (method_options: method -> the options it reads), a --cw-reading contradicted by the options
+    it sets refused (readings: reading -> those options' values), and the default --output-dir
+    named for the method, preset and seed."""
+    parsed, given = parse_dataclasses(
+        [config_type, RunConfig, *extra], argv, presets=PRESETS, **parser_options
+    )
+    cfg, run_cfg = parsed[:2]
+    check_implied(given, "cw_reading", readings)  # a reading names three choices
+    note_unused(given, "method", cfg.method, options_of=method_options)
+    prompts, per_micro_batch = cfg.prompts_per_step, run_cfg.groups_per_micro_batch
+    check(
+        prompts % (per_micro_batch or prompts) == 0,
+        f"--prompts-per-step ({prompts}) must be a multiple of --groups-per-micro-batch "
+        f"({per_micro_batch})",
+    )
+    run_cfg.output_dir = run_cfg.output_dir or f"runs/{cfg.method}-{cfg.preset}-seed{cfg.seed}"
+    return parsed

@@ -5,7 +5,10 @@ completion], to floating-point rounding (tested): each completion query sees exa
 would, and the gradient reaching the shared prompt's states is the sum over its group of what
 each row's copy of it would get.
 
-    hidden = completion_states(model.get_decoder(), rollout, group_size)   # (N, T, hidden)
+    prompts = prompt_pass(decoder, rows, group_size)  # a group's prompt once: last state, K, V
+    hidden = completion_pass(decoder, rows, prompts, group_size)  # (N, T, hidden)
+
+cwgrpo.py's section 3 (completion_states) calls these two where --share-prompts is on.
 
 The completions' pass runs over rows sorted by length in buckets, each padded only to its own
 longest row (length_buckets): a batch's one truncated completion no longer pads every other row
@@ -35,17 +38,18 @@ class PromptCache(DynamicCache):
     completions' own, and stores nothing, so a checkpointed layer's recompute reads what its first
     pass read."""
 
-    def __init__(self, layers: list, groups: torch.Tensor):
+    def __init__(self, layers: list, row_prompts: torch.Tensor):
         super().__init__()
         self.layers = layers  # the prompt pass's, (prompts, KV heads, P, head dim) each
-        self.groups = groups  # (rows,): each completion row's prompt
+        self.row_prompts = row_prompts  # (rows,): each completion row's prompt
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         layer = self.layers[layer_idx]
-        # index_select, not layer.keys[self.groups]: its backward sums a group's rows in a fixed
-        # order, where the indexing's adds atomically across threads and a run stops repeating
-        keys = torch.cat([layer.keys.index_select(0, self.groups), key_states], -2)
-        values = torch.cat([layer.values.index_select(0, self.groups), value_states], -2)
+        # index_select, not layer.keys[self.row_prompts]: its backward sums a group's rows in a
+        # fixed order, where the indexing's adds atomically across threads and a run stops
+        # repeating
+        keys = torch.cat([layer.keys.index_select(0, self.row_prompts), key_states], -2)
+        values = torch.cat([layer.values.index_select(0, self.row_prompts), value_states], -2)
         return keys, values
 
 
@@ -67,7 +71,7 @@ def layer_checkpointing(decoder, **settings):
                 setattr(layer, name, value)
 
 
-def prompt_pass(decoder, prompt_ids, prompt_mask):
+def encoded_prompts(decoder, prompt_ids, prompt_mask):
     """The prompts' last states (prompts, hidden) and each layer's keys and values, the layers
     run whole (a layer checkpointed in training keeps no cache)."""
     cache = DynamicCache()
@@ -85,13 +89,14 @@ def prompt_pass(decoder, prompt_ids, prompt_mask):
     return hidden[:, -1], keys, values
 
 
-def completion_states(decoder, rollout, group_size: int) -> torch.Tensor:
-    """(N, T, hidden) states that predict each completion token of a rollout (rows in groups of
-    group_size sharing their prompt: prompt_ids, prompt_mask (N, P) left-padded, completion_ids,
-    completion_mask (N, T)), the prompt encoded once a group."""
-    prompt_ids = rollout.prompt_ids[::group_size]  # (prompts, P): one row a group
-    prompt_mask = rollout.prompt_mask[::group_size]
-    if not torch.equal(prompt_ids.repeat_interleave(group_size, 0), rollout.prompt_ids):
+def prompt_pass(decoder, rows, group_size: int):
+    """Each group's prompt encoded once (rows in groups of group_size, each group one prompt:
+    prompt_ids, prompt_mask (N, P) left-padded): its last state (prompts, hidden) and each layer's
+    keys and values (prompts, KV heads, P, head dim). Under gradient checkpointing in training
+    the pass keeps only its keys and values, and is recomputed in backward."""
+    prompt_ids = rows.prompt_ids[::group_size]  # (prompts, P): one row a group
+    prompt_mask = rows.prompt_mask[::group_size]
+    if not torch.equal(prompt_ids.repeat_interleave(group_size, 0), rows.prompt_ids):
         raise ValueError(
             f"share_prompts: rows of a group of {group_size} hold different prompts; "
             "share them only where each group of rows answers one prompt (--no-share-prompts)"
@@ -102,35 +107,41 @@ def completion_states(decoder, rollout, group_size: int) -> torch.Tensor:
         if isinstance(m, GradientCheckpointingLayer)
     )
     if checkpointed and decoder.training and torch.is_grad_enabled():  # keep only its keys, values
-        last, keys, values = checkpoint(
-            prompt_pass, decoder, prompt_ids, prompt_mask, use_reentrant=False
-        )
-    else:
-        last, keys, values = prompt_pass(decoder, prompt_ids, prompt_mask)
+        return checkpoint(encoded_prompts, decoder, prompt_ids, prompt_mask, use_reentrant=False)
+    return encoded_prompts(decoder, prompt_ids, prompt_mask)
+
+
+def completion_pass(decoder, rows, prompts: tuple, group_size: int) -> torch.Tensor:
+    """(N, T, hidden): the states that predict each completion token: its group's prompt's last
+    state (prompt_pass's, the first token's), then those of the row's own tokens, each attending
+    to the prompt's keys and values before its own; rows of like lengths pass together, each
+    bucket padded only to its own longest row (length_buckets)."""
+    last, keys, values = prompts
     first = last.repeat_interleave(group_size, 0)[:, None]  # (N, 1, hidden): predicts token 0
     cache = DynamicCache()
     for layer, (layer_keys, layer_values) in enumerate(zip(keys, values)):
         cache.update(layer_keys, layer_values, layer)
-    fed = rollout.completion_ids[:, :-1]  # (N, T - 1): the last token predicts nothing
-    mask = torch.cat([rollout.prompt_mask, rollout.completion_mask[:, :-1].long()], 1)
-    positions = (mask.cumsum(1) - 1).clamp(min=0)[:, prompt_ids.shape[1] :]  # as the plain pass
-    needed = (rollout.completion_mask.sum(1).long() - 1).clamp(min=0)  # (N,) fed tokens that count
+    prompt_width = rows.prompt_ids.shape[1]
+    fed = rows.completion_ids[:, :-1]  # (N, T - 1): the last token predicts nothing
+    mask = torch.cat([rows.prompt_mask, rows.completion_mask[:, :-1].long()], 1)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)[:, prompt_width:]  # as the plain pass
+    needed = (rows.completion_mask.sum(1).long() - 1).clamp(min=0)  # (N,) fed tokens that count
     parts, order = [], []
-    for rows in length_buckets(needed):  # rows of like lengths, each padded to its own longest
-        width = int(needed[rows].max())
-        states = first[rows, :0]  # (rows, 0, hidden): no token to feed
+    for bucket in length_buckets(needed):  # rows of like lengths, each padded to its own longest
+        width = int(needed[bucket].max())
+        states = first[bucket, :0]  # (rows, 0, hidden): no token to feed
         if width:
             states = decoder_states(
                 decoder,
-                fed[rows, :width],
-                attention_mask=mask[rows, : prompt_ids.shape[1] + width],
-                position_ids=positions[rows, :width],
-                cache=PromptCache(cache.layers, rows // group_size),
+                fed[bucket, :width],
+                attention_mask=mask[bucket, : prompt_width + width],
+                position_ids=positions[bucket, :width],
+                cache=PromptCache(cache.layers, row_prompts=bucket // group_size),
             )  # (rows, width, hidden): completion token t predicts token t + 1
         parts.append(torch.nn.functional.pad(states, (0, 0, 0, fed.shape[1] - width)))
-        order.append(rows)
+        order.append(bucket)
     hidden = torch.cat(parts)[torch.cat(order).argsort()]  # (N, T - 1, hidden), rows in order
-    return torch.cat([first, hidden], 1)[:, : rollout.completion_ids.shape[1]]
+    return torch.cat([first, hidden], 1)[:, : rows.completion_ids.shape[1]]
 
 
 def decoder_states(decoder, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:

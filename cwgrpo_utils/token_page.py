@@ -24,33 +24,32 @@ CW_NOTE = (
 class TokenPage:
     """A run's tokens.html: at its first and its last step, one group's prompt and a few of its
     completions, each token coloured by the weight that every update pass of every method gives
-    it. A hook of the training loop, called with each scored rollout batch; `weigh(model, rows)`
-    (cwgrpo.py's every_methods_weights) gives the weights. The views are kept in the run's
-    tokens.jsonl, a record a step, so a resumed run keeps its first step's; a page that cannot be
-    drawn warns once and the run trains on."""
+    it. A hook of the training loop, called with each scored batch; `weigh(model, rows, cfg,
+    log_prob_passes)` (cwgrpo.py's every_methods_weights) gives the weights. The views are kept in
+    the run's tokens.jsonl, a record a step, so a resumed run keeps its first step's; a page that
+    cannot be drawn warns once and the run trains on."""
 
-    def __init__(self, run, cfg, tokenizer, methods: dict, weigh: Callable):
+    def __init__(self, run, cfg, tokenizer, methods: dict, weigh: Callable, log_prob_passes):
         self.path = run.path
         self.views = run.path / "tokens.jsonl"
         keep_records_until(self.views, run.resumed_step)  # the steps a resume redoes go
         self.cfg, self.tokenizer, self.weigh = cfg, tokenizer, weigh
-        self.passes = passes(methods)
+        self.log_prob_passes = log_prob_passes
+        self.shown = shown_passes(methods)
         self.title = f"{cfg.method} on {cfg.model}, seed {cfg.seed}"
 
-    def __call__(self, step: int, model, rollout, autocast) -> None:
-        if step not in (1, self.cfg.steps):
+    def __call__(self, rollout_step: int, model, batch, autocast) -> None:
+        if rollout_step not in (1, self.cfg.steps):
             return
         with never_fatal("draw the token page"):
-            rows = rollout.select(0, self.cfg.group_size)
+            rows = batch.select(0, self.cfg.group_size)
             with rng_kept(), autocast():  # clip_cov draws at random: training goes on unchanged
-                weighed = self.weigh(model, rows)
-            label = f"step {step}"
-            append_record(
-                self.views,
-                {"rollout_step": step, **view(label, self.tokenizer, rows, weighed, self.passes)},
-            )
+                weighed = self.weigh(model, rows, self.cfg, self.log_prob_passes)
+            label = f"step {rollout_step}"
+            record = view(label, self.tokenizer, rows, weighed, self.shown)
+            append_record(self.views, {"rollout_step": rollout_step, **record})
         with never_fatal("write tokens.html"):
-            about = {shown: text for shown, *_, text in self.passes}
+            about = {shown: text for shown, *_, text in self.shown}
             note = CW_NOTE if self.cfg.cw_norm == "padded" else ""
             views = read_records(self.views)
             write(self.path / "tokens.html", self.title, self.cfg.method, about, views, note)
@@ -94,7 +93,7 @@ show(data.method);
 """
 
 
-def passes(methods: dict) -> list[tuple[str, str, int, str]]:
+def shown_passes(methods: dict) -> list[tuple[str, str, int, str]]:
     """(name shown, method, update pass, description) of every update pass of every method, from
     method -> its description and update_passes: lopti's two passes are two views of the page."""
     shown = []

@@ -33,7 +33,7 @@ from cwgrpo_utils.memory_plan import Architecture, PlanOptions, engine_kv_cache,
 
 class Engine:
     """A vLLM engine for `model_path`'s architecture, holding prompts + completions of up to
-    max_model_len tokens, for up to `rows` sequences at once, in vLLM's `dtype` (bfloat16, half or
+    max_model_len tokens, for up to n_rows sequences at once, in vLLM's `dtype` (bfloat16, half or
     float32; default bfloat16 on CUDA and float32 on a CPU, as the trainer). pushed_weights (the
     trainer's): it starts with random weights and samples only from those pushed with each
     generate call, and on CUDA it sleeps between calls; else it loads model_path's weights
@@ -43,7 +43,7 @@ class Engine:
         self,
         model_path: str,
         max_model_len: int,
-        rows: int,
+        n_rows: int,
         device: torch.device,
         gpu_memory_utilization: float = 0.3,
         seed: int = 0,
@@ -63,7 +63,7 @@ class Engine:
             model=model_path,
             load_format="dummy" if pushed_weights else "auto",
             max_model_len=max_model_len,
-            max_num_seqs=min(max(rows, 1), 1024),  # more rows are scheduled in turn
+            max_num_seqs=min(max(n_rows, 1), 1024),  # more rows are scheduled in turn
             seed=seed,
             logprobs_mode="processed_logprobs",  # log_softmax(logits / T): what the loss uses
             generation_config="vllm",  # nothing from the model's generation_config.json
@@ -83,9 +83,9 @@ class Engine:
         if device.type == "cuda":  # every row at its longest, within its share of the card
             card = torch.cuda.mem_get_info(device)[1]
             weights = element * arch.parameters()
-            kv_cache = engine_kv_cache(row_kv, rows, weights, gpu_memory_utilization, card)
+            kv_cache = engine_kv_cache(row_kv, n_rows, weights, gpu_memory_utilization, card)
         else:  # the CPU's memory is the machine's: room for every row twice over
-            kv_cache = max(2 * rows * row_kv, 64 << 20)
+            kv_cache = max(2 * n_rows * row_kv, 64 << 20)
         options["kv_cache_memory_bytes"] = kv_cache  # pinned: no process-wide cap (above)
         cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=cuda):  # LLM(seed=) reseeds this process's RNG
@@ -102,7 +102,7 @@ class Engine:
         return cls(
             cfg.model,
             max_model_len=plan.positions,
-            rows=plan.rows,
+            n_rows=plan.n_rows,
             device=precision.device,
             gpu_memory_utilization=run_cfg.vllm_gpu_memory_utilization,
             seed=cfg.seed,
@@ -138,7 +138,7 @@ class Engine:
         finally:
             if self.sleeps:
                 self.llm.sleep(level=2)
-        return padded([row for output in outputs for row in output.outputs], pad)
+        return padded([sample for output in outputs for sample in output.outputs], pad)
 
     def sampling_params(self, how, max_tokens: int, eos):
         """Exactly the configured distribution: temperature, top-p and top-k only where set.
@@ -160,13 +160,13 @@ class Engine:
         )
 
 
-def padded(rows, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+def padded(samples, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's samples as (N, T) token ids right-padded with `pad`, and the log-prob of each token
     under the distribution it came from, 0 on padding."""
-    width = max(len(row.token_ids) for row in rows)
-    ids, logp = torch.full((len(rows), width), pad), torch.zeros(len(rows), width)
-    for i, row in enumerate(rows):
-        ids[i, : len(row.token_ids)] = torch.tensor(row.token_ids)
-        drawn = [step[token].logprob for step, token in zip(row.logprobs, row.token_ids)]
+    width = max(len(sample.token_ids) for sample in samples)
+    ids, logp = torch.full((len(samples), width), pad), torch.zeros(len(samples), width)
+    for i, sample in enumerate(samples):
+        ids[i, : len(sample.token_ids)] = torch.tensor(sample.token_ids)
+        drawn = [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)]
         logp[i, : len(drawn)] = torch.tensor(drawn)
     return ids, logp

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import cwgrpo
 from cwgrpo_utils import OPEN_RS_SYSTEM_PROMPT, loading
+from cwgrpo_utils.grading_pool import Grader
 
 _grader = None
 
@@ -15,7 +16,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None) -> f
     1:1 as in the 1.5B recipe (format_weight 0 in extra_info: the 7B recipe's accuracy only)."""
     global _grader
     if _grader is None:
-        _grader = cwgrpo.Grader()
+        _grader = Grader(cwgrpo.grade_accuracy, on_timeout=cwgrpo.TIMED_OUT)
     format_weight = (extra_info or {}).get("format_weight", 1.0)
     return _grader.grade(
         solution_str, ground_truth

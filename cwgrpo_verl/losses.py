@@ -49,14 +49,21 @@ def cwgrpo_config(verl_config, overrides: dict) -> cwgrpo.Config:
     )
 
 
-def scored_rows(log_prob, old_log_prob, advantages, response_mask) -> cwgrpo.Rollout:
-    """verl's micro-batch as the scored rows cwgrpo.policy_loss reads: each response's advantage
-    (verl's are per token; GRPO's constant along a response), its mask and old log-probs (the
-    sampler's too: verl weights its own rollout correction)."""
+def verl_tokens(log_prob, old_log_prob, advantages, response_mask) -> cwgrpo.Group:
+    """verl's micro-batch as the tokens cwgrpo's methods and loss read, one group (its rows'
+    statistics together, as verl's own losses): each response's advantage (verl's are per token;
+    GRPO's constant along a response), its mask and old log-probs."""
     mask = response_mask.to(log_prob.dtype)
     per_response = (advantages * mask).sum(1) / mask.sum(1).clamp(min=1)
-    return cwgrpo.Rollout.scored(
-        per_response, mask, old_logp=old_log_prob, sampler_logp=old_log_prob
+    return cwgrpo.Group(
+        log_prob,
+        old_logp=old_log_prob,
+        advantages=per_response,
+        mask=mask,
+        entropy=torch.zeros_like(log_prob),
+        batch_entropy=None,
+        divergence=None,
+        update_pass=0,
     )
 
 
@@ -75,13 +82,14 @@ def make_policy_loss(method_name: str, overrides: dict):
         # verl's micro-batch as one group (its rows' statistics together, as verl's own losses)
         cfg = cwgrpo_config(config, cwgrpo_method)
         cfg = dataclasses.replace(cfg, group_size=len(log_prob))
-        rows = scored_rows(log_prob, old_log_prob, advantages, response_mask)
+        tokens = verl_tokens(log_prob, old_log_prob, advantages, response_mask)
+        # the sampler's log-probs are verl's: it weights its own rollout correction
         _, parts = cwgrpo.policy_loss(
-            log_prob,
-            torch.zeros_like(log_prob),
-            rows,
+            tokens,
+            cwgrpo.method_terms(tokens, cfg),
             cfg,
-            update_pass=0,
+            sampler_logp=old_log_prob,
+            ref_logp=None,
             n_responses=len(log_prob),
             n_tokens=1,
         )  # only its per-token loss: verl averages it its own way

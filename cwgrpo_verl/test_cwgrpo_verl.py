@@ -104,10 +104,16 @@ def test_registered_loss_equals_cwgrpos_loss_path(name, mode):
     )
     cfg = cwgrpo.dataclasses.replace(cfg, **overrides)
     ours = logp.clone().requires_grad_(True)
-    rows = losses.scored_rows(ours, old, advantages, mask)
+    tokens = losses.verl_tokens(ours, old, advantages, mask)
     torch.manual_seed(1)
     loss, _ = cwgrpo.policy_loss(
-        ours, torch.zeros_like(ours), rows, cfg, 0, n_responses=len(mask), n_tokens=int(mask.sum())
+        tokens,
+        cwgrpo.method_terms(tokens, cfg),
+        cfg,
+        sampler_logp=old,
+        ref_logp=None,
+        n_responses=len(mask),
+        n_tokens=int(mask.sum()),
     )
     loss.backward()
     torch.testing.assert_close(verl_loss, loss.detach(), rtol=1e-5, atol=1e-6)

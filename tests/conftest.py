@@ -51,7 +51,7 @@ def TINY_RUN(tiny_args):  # noqa: N802 - the constant arguments of every short r
 def tiny_run(tmp_path_factory, TINY_RUN):
     """Four steps of the tiny preset with cw, a checkpoint every two."""
     out = tmp_path_factory.mktemp("run") / "cw"
-    cwgrpo.train(*cwgrpo.parse_config([*TINY_RUN, "--output-dir", str(out)]))
+    cwgrpo.main(*cwgrpo.parse_config([*TINY_RUN, "--output-dir", str(out)]))
     return out
 
 

@@ -7,7 +7,7 @@ a failed write does to a run. The whole-run tests (tests/test_runs.py) drive it.
 
 CWGRPO_FAULT is module:attribute:N[:mode], the attribute dotted for a method (Class.method) and
 looked up where the caller finds it (RunFolder.log calls run_folder's append_record, so
-cwgrpo_utils.run_folder:append_record; Grader is cwgrpo's own class, so cwgrpo:Grader.submit).
+cwgrpo_utils.run_folder:append_record; cwgrpo.py imports Grader, so cwgrpo:Grader.submit).
 N+ (3+) is every call from the Nth on. Modes: kill (before the Nth call; the default), after (once
 it returns), torn (for an append of one JSON record to a file: half the line is written, then the
 kill), enospc (the call raises OSError ENOSPC, as a full disk does), nan (the call's tensor result,
@@ -15,7 +15,7 @@ or the first tensor of a tuple result, times NaN), oom (the call raises torch.Ou
 with CUDA's message). The kill is SIGKILL, as from the OOM killer or a preempted job: no handler
 runs, no file is closed, the grading workers are orphaned.
 
-    CWGRPO_FAULT=cwgrpo_utils.fast_logprobs:completion_logprobs:5:nan python -m tests.faults ...
+    CWGRPO_FAULT=cwgrpo:completion_logprobs:5:nan python -m tests.faults ...
     CWGRPO_FAULT=cwgrpo:sample_tokens:3+:oom python -m tests.faults ...        # out of memory
 """
 
@@ -100,4 +100,4 @@ if __name__ == "__main__":
         arm(os.environ["CWGRPO_FAULT"])
     # what resume_command() prints is then the command of python cwgrpo.py, as mimicked here
     sys.argv, sys.modules["__main__"].__spec__ = [str(cwgrpo.__file__), *sys.argv[1:]], None
-    cwgrpo.train(*cwgrpo.parse_config(sys.argv[1:]))
+    cwgrpo.main(*cwgrpo.parse_config(sys.argv[1:]))

@@ -78,7 +78,7 @@ def saved_activation_bytes(model, cfg, run_cfg, rows: int, prompt: int, new: int
     prompts = torch.randint(0, vocab, (rows // cfg.group_size, prompt))
     prompt_mask = torch.ones(rows, prompt).long()
     prompt_mask[-cfg.group_size :, :3] = 0
-    rollout = cwgrpo.Rollout(
+    samples = cwgrpo.Samples(
         prompts.repeat_interleave(cfg.group_size, 0), prompt_mask,
         torch.randint(0, vocab, (rows, new)), torch.ones(rows, new),
         torch.zeros(rows, dtype=torch.bool), [""] * rows, torch.zeros(rows, new),
@@ -91,7 +91,7 @@ def saved_activation_bytes(model, cfg, run_cfg, rows: int, prompt: int, new: int
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(saved, lambda tensor: tensor):
-        cwgrpo.logprobs_of_run(run_cfg, cfg.group_size)(model, rollout, cfg.temperature)
+        cwgrpo.completion_logprobs(model, samples, cfg, cwgrpo.Passes.of(cfg, run_cfg))
     return sum(size for pointer, size in storages.items() if pointer not in weights)
 
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import cwgrpo
-from cwgrpo import Grader
 from cwgrpo_utils.cli import shown_path
+from cwgrpo_utils.grading_pool import Grader
 from tests.support import ROOT, load_evaluate
 
 evaluate = load_evaluate()
@@ -64,7 +64,8 @@ def test_pass_at_k_exact(n, c, k, expected):
     ],
 )
 def test_grading_of_each_benchmarks_gold_form(completion, gold, gold_format, score):
-    assert Grader().grade(completion, gold, gold_format).accuracy == score
+    grader = Grader(cwgrpo.grade_accuracy, cwgrpo.TIMED_OUT)
+    assert grader.grade(completion, gold, gold_format).accuracy == score
 
 
 # Hand-written answers of each kind the paper's grading and cwgrpo's reward may read apart, and

@@ -264,7 +264,7 @@ def test_an_engine_in_a_process_of_its_own_is_refused_in_one_line(monkeypatch, t
     cannot reach: refused before vLLM is imported (here it need not be installed)."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     with pytest.raises(SystemExit) as stop:
-        Engine(str(tmp_path), max_model_len=64, rows=4, device=torch.device("cpu"))
+        Engine(str(tmp_path), max_model_len=64, n_rows=4, device=torch.device("cpu"))
     assert str(stop.value) == (
         "error: --rollout vllm pushes the trainer's weights into vLLM's engine in this process, "
         "and VLLM_ENABLE_V1_MULTIPROCESSING=1 starts it in another; unset it or set it to 0"

@@ -28,7 +28,7 @@ from tests.support import (
 def lora_run(tmp_path_factory, TINY_RUN):
     """The four steps of TINY_RUN with a rank-4 adapter, a checkpoint every two."""
     out = tmp_path_factory.mktemp("lora") / "run"
-    cwgrpo.train(*cwgrpo.parse_config([*TINY_RUN, *LORA_ARGS, "--output-dir", str(out)]))
+    cwgrpo.main(*cwgrpo.parse_config([*TINY_RUN, *LORA_ARGS, "--output-dir", str(out)]))
     return out
 
 
@@ -72,10 +72,10 @@ def test_a_lora_resume_reproduces_the_uninterrupted_run(lora_run, tmp_path, TINY
     args = [*TINY_RUN, *LORA_ARGS, "--output-dir", str(crashed)]
     crash_at_save(monkeypatch, 2)  # during step 4's save: no checkpoint-4, no final model
     with pytest.raises(Crash):
-        cwgrpo.train(*cwgrpo.parse_config(args))
+        cwgrpo.main(*cwgrpo.parse_config(args))
     monkeypatch.undo()
     assert checkpoints.latest_checkpoint(crashed).name == "checkpoint-2"
-    cwgrpo.train(*cwgrpo.parse_config([*args, "--resume"]))
+    cwgrpo.main(*cwgrpo.parse_config([*args, "--resume"]))
     assert read_metrics(crashed / "metrics.jsonl") == read_metrics(lora_run / "metrics.jsonl")
 
 
@@ -168,8 +168,8 @@ def test_tensorboard_holds_every_metric_at_its_step_and_the_options(tmp_path, TI
     pytest.importorskip("tensorboard")
     out = tmp_path / "run"
     args = [*TINY_RUN, "--report-to", "tensorboard", "--output-dir", str(out)]
-    cwgrpo.train(*cwgrpo.parse_config([*args, "--steps", "2"]))
-    cwgrpo.train(*cwgrpo.parse_config([*args, "--resume"]))  # extended to 4 steps, resumed
+    cwgrpo.main(*cwgrpo.parse_config([*args, "--steps", "2"]))
+    cwgrpo.main(*cwgrpo.parse_config([*args, "--resume"]))  # extended to 4 steps, resumed
     records = read_metrics(out / "metrics.jsonl")
     numbers = [{k: v for k, v in r.items() if isinstance(v, int | float)} for r in records]
     logged = tensorboard_records(out)
@@ -194,11 +194,11 @@ def test_wandb_offline_and_trackio_continue_their_run_across_a_resume(
     args = [*TINY_RUN, "--report-to", "wandb", "trackio", "--output-dir", str(out)]
     crash_at_save(monkeypatch, 2)  # during step 4's save: steps 3 and 4 sent, then lost
     with pytest.raises(Crash):
-        cwgrpo.train(*cwgrpo.parse_config(args))
+        cwgrpo.main(*cwgrpo.parse_config(args))
     monkeypatch.undo()
     monkeypatch.setenv("WANDB_MODE", "offline")
     ids = json.loads((out / "trackers.json").read_text())
-    cwgrpo.train(*cwgrpo.parse_config([*args, "--resume"]))
+    cwgrpo.main(*cwgrpo.parse_config([*args, "--resume"]))
     assert json.loads((out / "trackers.json").read_text()) == ids | {"sent": 4}
     runs = sorted(p.name for p in (out / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(name.endswith(f"-{ids['wandb']}") for name in runs)

@@ -153,7 +153,7 @@ def test_a_checkpoint_on_disk_is_the_plans_and_only_the_newest_keeps_the_optimiz
 ):
     out = tmp_path / "run"
     keep_two = ["--save-every", "1", "--save-total-limit", "2", "--output-dir", str(out)]
-    cwgrpo.train(*cwgrpo.parse_config([*tiny_args, "--steps", "4", *keep_two]))
+    cwgrpo.main(*cwgrpo.parse_config([*tiny_args, "--steps", "4", *keep_two]))
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
     assert not (out / "checkpoint-3" / "optimizer.pt").exists()
     newest = out / "checkpoint-4"
@@ -167,7 +167,7 @@ def test_a_checkpoint_on_disk_is_the_plans_and_only_the_newest_keeps_the_optimiz
         plan["disk"]["checkpoint"], rel=0.02
     )
     assert checkpoints.latest_checkpoint(out) == newest  # and a resume from it works:
-    cwgrpo.train(*cwgrpo.parse_config([*tiny_args, "--steps", "5", *keep_two, "--resume"]))
+    cwgrpo.main(*cwgrpo.parse_config([*tiny_args, "--steps", "5", *keep_two, "--resume"]))
     assert len(read_metrics(out / "metrics.jsonl")) == 5
 
 
@@ -246,7 +246,7 @@ def test_a_cuda_run_that_cannot_fit_stops_before_loading(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_80", "sm_86", "sm_90"])
     monkeypatch.setattr(loading, "load_dataset", lambda *_: pytest.fail("loaded before the check"))
     with pytest.raises(SystemExit) as error:
-        cwgrpo.train(
+        cwgrpo.main(
             *cwgrpo.parse_config(["--preset", "paper-1.5b", "--output-dir", str(tmp_path / "run")])
         )
     assert str(error.value).startswith("error: this run needs about 59.4 GB and the GPU has 40.0")
@@ -265,7 +265,7 @@ def test_the_plan_with_vllm_counts_the_engine_share_per_card():
     assert memory_plan.fits(p) == ([80, 141], [12, 16, 24, 40, 48])
     assert memory_plan.holds(p, 80e9)
     engine = memory_plan.engine_memory(p, 80e9)  # 24 GB: weights, graphs, every row's KV cache
-    assert engine["kv_cache"] == hf["items"]["KV cache"] == p["rows"] * p["engine_row_kv"]
+    assert engine["kv_cache"] == hf["items"]["KV cache"] == p["n_rows"] * p["engine_row_kv"]
     assert engine["total"] == 3.554176e9 + memory_plan.CUDA_GRAPHS + engine["kv_cache"]
     assert not memory_plan.holds({**p, "engine_share": 0.06}, 80e9)  # 4.8 GB: no group's KV
     # the share caps the engine, which takes what its rows need: a larger one takes no more

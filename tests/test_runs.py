@@ -2,7 +2,6 @@
 processes a run owns, and what it leaves (its curves, its token page, its summary)."""
 
 import copy
-import functools
 import json
 import math
 import os
@@ -78,7 +77,7 @@ def test_bad_paths_and_data_stop_before_any_model_is_loaded(tmp_path, tiny_args,
 
     def refused(*args):
         with pytest.raises(SystemExit) as error:
-            cwgrpo.train(
+            cwgrpo.main(
                 *cwgrpo.parse_config([*tiny_args, "--output-dir", str(tmp_path / "r"), *args])
             )
         assert "\n" not in str(error.value)
@@ -125,7 +124,7 @@ def test_empty_rows_are_skipped_and_grading_problems_are_said_once_and_summed(
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     cli.WARNED.clear()
     args = [*tiny_args, "--dataset", str(data), "--steps", "3", "--save-every", "3"]
-    out = cwgrpo.train(*cwgrpo.parse_config([*args, "--output-dir", str(tmp_path / "run")]))
+    out = cwgrpo.main(*cwgrpo.parse_config([*args, "--output-dir", str(tmp_path / "run")]))
     printed = capsys.readouterr()
     assert "skipped 32 of 64 rows: empty solution\n" in printed.out
     records = read_metrics(out / "metrics.jsonl")
@@ -142,21 +141,21 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_run, tmp_path, TINY_RUN, m
     crashed = tmp_path / "crashed"
     crash_at_save(monkeypatch, 2)  # during step 4's save: no checkpoint-4, no final model
     with pytest.raises(Crash):
-        cwgrpo.train(*cwgrpo.parse_config([*TINY_RUN, "--output-dir", str(crashed)]))
+        cwgrpo.main(*cwgrpo.parse_config([*TINY_RUN, "--output-dir", str(crashed)]))
     monkeypatch.undo()
     assert checkpoints.latest_checkpoint(crashed).name == "checkpoint-2"
-    cwgrpo.train(*cwgrpo.parse_config([*TINY_RUN, "--output-dir", str(crashed), "--resume"]))
+    cwgrpo.main(*cwgrpo.parse_config([*TINY_RUN, "--output-dir", str(crashed), "--resume"]))
     assert read_metrics(crashed / "metrics.jsonl") == read_metrics(tiny_run / "metrics.jsonl")
 
 
 def test_existing_run_is_not_silently_overwritten(tiny_run, TINY_RUN):
     with pytest.raises(SystemExit, match="already holds a run"):
-        cwgrpo.train(*cwgrpo.parse_config([*TINY_RUN, "--output-dir", str(tiny_run)]))
+        cwgrpo.main(*cwgrpo.parse_config([*TINY_RUN, "--output-dir", str(tiny_run)]))
 
 
 def test_grpo_and_token_mean_and_iterations_run(tmp_path, TINY_RUN):
     out = tmp_path / "grpo"
-    cwgrpo.train(
+    cwgrpo.main(
         *cwgrpo.parse_config(
             [
                 *TINY_RUN,
@@ -190,7 +189,7 @@ def test_grpo_and_token_mean_and_iterations_run(tmp_path, TINY_RUN):
 @pytest.mark.parametrize("method", sorted(cwgrpo.METHODS))
 def test_every_method_trains_on_the_tiny_preset(method, tmp_path, tiny_args):
     out = tmp_path / method
-    cwgrpo.train(
+    cwgrpo.main(
         *cwgrpo.parse_config(
             [
                 *tiny_args,
@@ -329,7 +328,9 @@ def test_a_run_leaves_its_curves_and_a_valid_small_token_page(tiny_run):
     assert parser.stack == []
     for index, view in enumerate(views):  # every token's text, once per view, in order
         assert parser.views[index] == [token for tokens in view["tokens"] for token in tokens]
-        assert list(view["weights"]) == [shown for shown, *_ in token_page.passes(cwgrpo.METHODS)]
+        assert list(view["weights"]) == [
+            shown for shown, *_ in token_page.shown_passes(cwgrpo.METHODS)
+        ]
     embedded = page.split('<script type="application/json" id="data">')[1].split("</script>")[0]
     assert json.loads(embedded)["views"][0]["weights"] == views[0]["weights"]
 
@@ -362,17 +363,19 @@ def test_token_view_shows_the_prompt_scores_and_the_methods_weights(tiny_base, t
     model = loading.load_model(str(tiny_base / "model"), torch.float32, torch.device("cpu"))
     tokenizer = loading.load_tokenizer(str(tiny_base / "model"))
     torch.manual_seed(0)
-    batch = [(chat_prompt_ids(tokenizer, "3+4", ""), "\\boxed{7}")]
-    rollout = cwgrpo.sample(model, tokenizer, batch, cfg, run_cfg)
-    grades = [cwgrpo.grade_accuracy(text, "\\boxed{7}") for text in rollout.texts]
-    cwgrpo.rollout_rewards(rollout, grades, cfg)
-    rollout.advantages = torch.randn(cfg.group_size, generator=torch.Generator().manual_seed(1))
+    prompt = chat_prompt_ids(tokenizer, "3+4", "")
+    samples = cwgrpo.sample(model, tokenizer, [prompt], cfg, share=run_cfg.share_prompts)
+    grades = [cwgrpo.grade_accuracy(text, "\\boxed{7}") for text in samples.texts]
+    rewards = cwgrpo.rewards_of(samples.texts, grades, cfg)
+    advantages = torch.randn(cfg.group_size, generator=torch.Generator().manual_seed(1))
+    rollout = cwgrpo.Batch.of(samples, rewards, advantages, old=None, ref_logp=None)
     run = types.SimpleNamespace(path=tmp_path, resumed_step=0)  # a fresh run's folder
-    weigh = functools.partial(cwgrpo.every_methods_weights, cfg=cfg, run_cfg=run_cfg)
-    page = token_page.TokenPage(run, cfg, tokenizer, methods=cwgrpo.METHODS, weigh=weigh)
+    passes = cwgrpo.Passes.of(cfg, run_cfg)
+    weigh = cwgrpo.every_methods_weights
+    page = token_page.TokenPage(run, cfg, tokenizer, cwgrpo.METHODS, weigh, passes)
     rng = torch.get_rng_state()
     fp32 = Precision.choose("auto", torch.device("cpu"))
-    page(step=1, model=model, rollout=rollout, autocast=fp32.autocast)
+    page(1, model=model, batch=rollout, autocast=fp32.autocast)
     assert torch.equal(torch.get_rng_state(), rng)  # clip_cov's draws leave training unchanged
     (view,) = run_folder.read_records(tmp_path / "tokens.jsonl")
     assert view["prompt"] == "<|im_start|>user\n3+4<|im_end|>\n<|im_start|>assistant\n"
@@ -385,7 +388,7 @@ def test_token_view_shows_the_prompt_scores_and_the_methods_weights(tiny_base, t
         verdict = "correct" if right else "wrong"
         assert f"completion {i + 1}, reward {view['reward'][i]:g} ({verdict})" in page
     with torch.no_grad():
-        logp, _, _ = cwgrpo.completion_logprobs(model, rollout, cfg.temperature)
+        logp, _, _ = cwgrpo.completion_logprobs(model, rollout, cfg, passes)
     mask = rollout.completion_mask
     cw = cwgrpo.cw_weights(logp, rollout.advantages, mask)
     for i, tokens in enumerate(view["tokens"]):
@@ -481,7 +484,7 @@ def test_the_paper_recipe_code_path_runs_and_resumes_on_cpu(tmp_path, tiny_base,
     ]
     cfg, run_cfg = cwgrpo.parse_config(args)
     full = tmp_path / "full"
-    cwgrpo.train(*cwgrpo.parse_config([*args, "--output-dir", str(full)]))
+    cwgrpo.main(*cwgrpo.parse_config([*args, "--output-dir", str(full)]))
     crash_at_save(monkeypatch, 2)  # a crash during checkpoint-2's save, then --resume
     assert (run_cfg.gradient_checkpointing, cfg.beta, cfg.method, cfg.system_prompt) == (
         True,
@@ -490,14 +493,14 @@ def test_the_paper_recipe_code_path_runs_and_resumes_on_cpu(tmp_path, tiny_base,
         OPEN_RS_SYSTEM_PROMPT,
     )
     with pytest.raises(Crash):
-        cwgrpo.train(cfg, run_cfg)
+        cwgrpo.main(cfg, run_cfg)
     monkeypatch.undo()
     records = read_metrics(full / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
     # a random model earns no reward, so its advantages and update are 0; what is checked is that
     # the whole path runs: the reference pass, backward through checkpointed layers, the untied head
     assert all(math.isfinite(r[k]) for r in records for k in ("loss", "grad_norm", "kl_mean"))
-    cwgrpo.train(*cwgrpo.parse_config([*args, "--resume"]))
+    cwgrpo.main(*cwgrpo.parse_config([*args, "--resume"]))
     assert read_metrics(tmp_path / "run" / "metrics.jsonl") == records
 
 
@@ -515,7 +518,7 @@ SAMPLER = "cwgrpo:sample_tokens" if ROLLOUT == "hf" else VLLM_SAMPLER
 KILL_POINTS = {  # CWGRPO_FAULT -> where the run dies
     f"{SAMPLER}:3": "sampling step 3",
     "cwgrpo:Grader.submit:3:after": "grading step 3, workers busy",
-    "cwgrpo:policy_token_stats:4": "step 3's reference pass (calls: ref 1, page 1, ref 2, ref 3)",
+    "cwgrpo:token_stats:4": "step 3's reference pass (calls: ref 1, page 1, ref 2, ref 3)",
     "torch.nn.utils:clip_grad_norm_:3:after": "step 3's update, after backward, before the step",
     "torch.optim:AdamW.step:5:after": "step 5's update, after the optimizer step",
     "cwgrpo_utils.run_folder:append_record:3:torn": "writing step 3's metrics (half a line)",
@@ -546,7 +549,7 @@ if LORA:  # a LoRA checkpoint's weights are the adapter's, which PEFT writes
     KILL_POINTS["peft:PeftModel.save_pretrained:2:after"] = KILL_POINTS.pop(weights)
 if LORA == "ci":  # CI's budget: where the adapter's state matters (all 14
     # passed on the CPU with LoRA): its save, its update, the reference pass with it off, a step
-    lora_points = ("peft:", "torch.optim:", "cwgrpo:policy_token_stats", SAMPLER)
+    lora_points = ("peft:", "torch.optim:", "cwgrpo:token_stats", SAMPLER)
     KILL_POINTS = {f: where for f, where in KILL_POINTS.items() if f.startswith(lora_points)}
 
 
@@ -640,7 +643,7 @@ def test_a_save_the_disk_cannot_hold_stops_before_writing(tiny_args, tmp_path, m
     )
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as error:
-        cwgrpo.train(
+        cwgrpo.main(
             *cwgrpo.parse_config(
                 [*tiny_args, "--steps", "2", "--save-every", "2", "--output-dir", str(out)]
             )
@@ -672,11 +675,11 @@ def test_drawing_that_fails_warns_once_and_the_run_trains_on(tiny_args, tmp_path
 def single_valid_token(sample):
     """The real sampler, with every token of the first group but its first one masked out."""
 
-    def wrapped(model, tokenizer, batch, cfg, run_cfg, engine=None):
-        rollout = sample(model, tokenizer, batch, cfg, run_cfg, engine=engine)
-        rollout.completion_mask[: cfg.group_size] = 0
-        rollout.completion_mask[0, 0] = 1
-        return rollout
+    def wrapped(model, tokenizer, prompts, cfg, **options):
+        samples = sample(model, tokenizer, prompts, cfg, **options)
+        samples.completion_mask[: cfg.group_size] = 0
+        samples.completion_mask[0, 0] = 1
+        return samples
 
     return wrapped
 
@@ -731,7 +734,7 @@ def test_every_method_trains_on_a_degenerate_batch_with_the_pictures_on(
     methods = cwgrpo.METHODS if ROLLOUT == "hf" and LORA != "ci" else ("grpo", "lopti")
     for method in methods:
         out = tmp_path / method
-        cwgrpo.train(
+        cwgrpo.main(
             *cwgrpo.parse_config(
                 [*tiny_args, *small, *extra, "--method", method, "--output-dir", str(out)]
             )
@@ -917,7 +920,7 @@ def test_the_tiny_preset_works_from_any_folder_builds_once_and_is_quiet(tmp_path
 
 
 def test_lopti_shows_both_passes_on_the_token_page():
-    passes = token_page.passes(cwgrpo.METHODS)
+    passes = token_page.shown_passes(cwgrpo.METHODS)
     names = [shown for shown, *_ in passes]
     assert names.count("lopti") == 1 and "lopti, pass 2" in names and "ar_lopti, pass 2" in names
     about = {shown: text for shown, *_, text in passes}
@@ -978,7 +981,7 @@ def test_a_nan_in_one_micro_batch_is_skipped_and_counted_and_the_run_goes_on(
     out = tmp_path / "run"
     args = [*tiny_args, *FAULT_STEPS, "--precision", precision, "--output-dir", str(out)]
     # the log-prob pass (the fast drop-in) of step 2's update; 1: step 1's reference, 2: its page
-    done = fault_run(args, "cwgrpo_utils.fast_logprobs:completion_logprobs:5:nan")
+    done = fault_run(args, "cwgrpo:completion_logprobs:5:nan")
     assert done.returncode == 0, done.stderr[-2000:]
     records = read_metrics(out / "metrics.jsonl")
     assert [r["skipped_steps"] for r in records] == [0, 1, 1, 1, 1, 1]
@@ -1001,7 +1004,7 @@ def test_a_nan_at_every_step_stops_the_run_in_one_line_with_finite_checkpoints(t
     steps = ["--steps", "8", "--save-every", "1", "--threads", "1", "--reward-workers", "1"]
     args = [*tiny_args, *steps, "--max-skipped-steps", "3", "--output-dir", str(out)]
     # every log-prob pass from step 1's update on
-    done = fault_run(args, "cwgrpo_utils.fast_logprobs:completion_logprobs:3+:nan")
+    done = fault_run(args, "cwgrpo:completion_logprobs:3+:nan")
     assert done.returncode == 1 and "Traceback" not in done.stderr
     line = done.stderr.strip().splitlines()[-1]
     assert line.startswith(
@@ -1017,7 +1020,7 @@ def test_a_nan_at_every_step_stops_the_run_in_one_line_with_finite_checkpoints(t
 
 OUT_OF_MEMORY = {  # CWGRPO_FAULT -> the phase named, and the flag the resume command takes
     f"{SAMPLER}:3:oom": ("sampling", "--rollout-chunk 4"),
-    "cwgrpo:policy_token_stats:4:oom": ("the log-prob passes", "--groups-per-micro-batch 1"),
+    "cwgrpo:token_stats:4:oom": ("the log-prob passes", "--groups-per-micro-batch 1"),
     "cwgrpo:policy_loss:3:oom": ("the update", "--gradient-checkpointing"),
     "torch.optim:AdamW.step:3:oom": ("the optimizer step", ""),
 }
@@ -1157,14 +1160,20 @@ def resumed_from_old_checkpoint(folder: Path, monkeypatch) -> dict:
     holds on any CPU."""
     seen = {}
     sample, adamw_step = cwgrpo.sample, torch.optim.AdamW.step
+    next_batch = PromptStream.next_batch
 
-    def first_sample(model, tokenizer, batch, cfg, run_cfg, engine=None):
-        if "batch" not in seen:
+    def first_batch(stream, n: int):
+        batch = next_batch(stream, n)
+        seen.setdefault("batch", batch)
+        return batch
+
+    def first_sample(model, tokenizer, prompts, cfg, **options):
+        if "rng" not in seen:
             trained = {
                 n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad
             }
-            seen.update(batch=batch, rng=checkpoints.rng_states(), trained=trained)
-        return sample(model, tokenizer, batch, cfg, run_cfg, engine=engine)
+            seen.update(rng=checkpoints.rng_states(), trained=trained)
+        return sample(model, tokenizer, prompts, cfg, **options)
 
     def first_step(optimizer, *args, **kwargs):
         if "optimizer" not in seen:
@@ -1172,6 +1181,7 @@ def resumed_from_old_checkpoint(folder: Path, monkeypatch) -> dict:
         return adamw_step(optimizer, *args, **kwargs)
 
     monkeypatch.setattr(cwgrpo, "sample", first_sample)
+    monkeypatch.setattr(PromptStream, "next_batch", first_batch)
     monkeypatch.setattr(torch.optim.AdamW, "step", first_step)
     monkeypatch.chdir(folder)
     args = ["--preset", "tiny", "--model", "base", "--dataset", "data.jsonl", "--steps", "4"]
@@ -1179,7 +1189,7 @@ def resumed_from_old_checkpoint(folder: Path, monkeypatch) -> dict:
     args += ["--no-share-prompts"]  # as the run was made
     threads = torch.get_num_threads()  # --threads sets the process's
     try:
-        cwgrpo.train(*cwgrpo.parse_config([*args, "--output-dir", "run", "--resume"]))
+        cwgrpo.main(*cwgrpo.parse_config([*args, "--output-dir", "run", "--resume"]))
     finally:
         torch.set_num_threads(threads)
     return seen | {"records": read_metrics(folder / "run" / "metrics.jsonl")}

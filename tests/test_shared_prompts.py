@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 import cwgrpo
 from cwgrpo_utils import loading, lora, shared_prompt
 from cwgrpo_utils.precision import Precision
-from cwgrpo_utils.shared_prompt import completion_states, length_buckets
+from cwgrpo_utils.shared_prompt import length_buckets
 from tests.support import SMALL_SHAPE, read_metrics
 from tools import diagnose
 
@@ -42,7 +42,7 @@ def models(tiny_base):
     }
 
 
-def grouped_rollout(vocab: int, prompt_lengths=(9, 5, 12), completion_length=7) -> cwgrpo.Rollout:
+def grouped_rollout(vocab: int, prompt_lengths=(9, 5, 12), completion_length=7) -> cwgrpo.Batch:
     """Groups of GROUP rows, each group one left-padded prompt (of its own length) and GROUP
     completions of random lengths, random advantages: what sampling and the rewards hand the
     update."""
@@ -58,7 +58,7 @@ def grouped_rollout(vocab: int, prompt_lengths=(9, 5, 12), completion_length=7) 
     for row in range(rows):
         length = int(torch.randint(1, max(completion_length, 1) + 1, (1,), generator=generator))
         completion_mask[row, length:] = 0
-    return cwgrpo.Rollout(
+    samples = cwgrpo.Samples(
         prompt_ids.repeat_interleave(GROUP, 0),
         prompt_mask.repeat_interleave(GROUP, 0),
         torch.randint(0, vocab, (rows, completion_length), generator=generator),
@@ -66,8 +66,11 @@ def grouped_rollout(vocab: int, prompt_lengths=(9, 5, 12), completion_length=7) 
         torch.zeros(rows, dtype=torch.bool),
         [""] * rows,
         torch.zeros(rows, completion_length),
-        advantages=torch.randn(rows, generator=generator),
     )
+    zeros = torch.zeros(rows)
+    rewards = cwgrpo.Rewards(zeros, accuracy=zeros, format=zeros)
+    advantages = torch.randn(rows, generator=generator)
+    return cwgrpo.Batch.of(samples, rewards, advantages, old=None, ref_logp=None)
 
 
 def passes(model, rollout, share: bool, groups_per_micro_batch: int) -> dict:
@@ -75,10 +78,11 @@ def passes(model, rollout, share: bool, groups_per_micro_batch: int) -> dict:
     options = ["--preset", "tiny", "--group-size", str(GROUP), "--prompts-per-step", "3"]
     options += ["--groups-per-micro-batch", str(groups_per_micro_batch), "--beta", "0"]
     cfg, run_cfg = cwgrpo.parse_config([*options, "--share-prompts", str(share)])
-    stats = cwgrpo.policy_token_stats(model, rollout, cfg, run_cfg, divergence=True)
+    log_prob_passes = cwgrpo.Passes.of(cfg, run_cfg)
+    stats = cwgrpo.token_stats(model, rollout, cfg, log_prob_passes, divergence=True)._asdict()
     model.zero_grad(set_to_none=True)
     autocast = Precision.choose("fp32", torch.device("cpu")).autocast
-    diagnose.step_gradient(model, rollout, cfg, run_cfg, autocast)
+    diagnose.step_gradient(model, rollout, cfg, log_prob_passes, autocast)
     stats["gradients"] = {
         name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None
     }
@@ -169,7 +173,7 @@ def test_rows_of_a_group_with_different_prompts_cannot_share_one(models):
     rollout = grouped_rollout(model.config.vocab_size)
     rollout.prompt_ids[1, -1] += 1  # the first group's second row: another prompt
     with pytest.raises(ValueError, match="rows of a group of 4 hold different prompts"):
-        completion_states(model.get_decoder(), rollout, GROUP)
+        cwgrpo.completion_states(model, rollout, GROUP, share_prompts=True)
 
 
 def test_sampling_prefills_each_prompt_once_and_draws_the_same_tokens(models):
@@ -194,7 +198,7 @@ def test_three_tiny_steps_shared_and_unshared_sample_alike_and_agree_to_rounding
     for share in (False, True):
         out = tmp_path / str(share)
         args = [*tiny_args, "--steps", "3", "--share-prompts", str(share), "--output-dir", str(out)]
-        cwgrpo.train(*cwgrpo.parse_config(args))
+        cwgrpo.main(*cwgrpo.parse_config(args))
         records[share] = read_metrics(out / "metrics.jsonl")
     for unshared, shared in zip(records[False], records[True], strict=True):
         for key in ("reward_mean", "reward_std", "accuracy_mean", "completion_len_mean"):
@@ -221,7 +225,7 @@ def test_a_run_on_two_threads_repeats_itself_to_the_bit(tiny_args, tmp_path, two
     for name in ("first", "second"):
         out = tmp_path / name
         args = [*tiny_args, "--steps", "15", "--threads", "2", "--output-dir", str(out)]
-        cwgrpo.train(*cwgrpo.parse_config(args))
+        cwgrpo.main(*cwgrpo.parse_config(args))
         runs.append(read_metrics(out / "metrics.jsonl"))
     timings = {"rollout_s", "update_s", "time", "tokens_per_s"}
     for first, second in zip(*runs, strict=True):

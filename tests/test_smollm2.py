@@ -62,7 +62,7 @@ def test_evaluate_prompts_with_its_system_prompt_and_never_mixes_samples_of_anot
 def test_a_run_without_a_format_reward_says_so_instead_of_its_zeros(TINY_RUN, tmp_path, capsys):
     out = tmp_path / "run"
     run = ["--format-weight", "0", "--steps", "1", "--output-dir", str(out)]
-    cwgrpo.train(*cwgrpo.parse_config([*TINY_RUN, *run]))
+    cwgrpo.main(*cwgrpo.parse_config([*TINY_RUN, *run]))
     summary = capsys.readouterr().out
     assert "  format    not rewarded (--format-weight 0)\n" in summary
     assert "  accuracy " in summary and "  format    0.000" not in summary

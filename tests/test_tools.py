@@ -2,7 +2,6 @@
 benchmarks/gpu_check.py at tiny shapes."""
 
 import contextlib
-import dataclasses
 import importlib.util
 import json
 import math
@@ -20,8 +19,8 @@ import pytest
 import torch
 
 import cwgrpo
-from cwgrpo import Grader
 from cwgrpo_utils import checkpoints, cli, loading, plots, smollm2, tiny
+from cwgrpo_utils.grading_pool import Grader
 from cwgrpo_utils.prompts import PromptStream
 from cwgrpo_verl import data
 from tests.support import ROOT, processes_tagged, read_metrics, run_cli
@@ -253,24 +252,30 @@ def scored_rollout(tiny_run, tiny_base):
     reference = loading.load_model(str(tiny_base / "model"), torch.float32, torch.device("cpu"))
     torch.manual_seed(0)
     prompts = PromptStream(tiny.arithmetic_dataset(0), tokenizer, cfg)
-    rollout = cwgrpo.sample(model, tokenizer, prompts.next_batch(4), cfg, run_cfg)
-    grades = Grader().map([(t, g, "default") for t, g in zip(rollout.texts, rollout.golds)])
-    cwgrpo.rollout_rewards(rollout, grades, cfg)
-    rollout.ref_logp = cwgrpo.policy_token_stats(reference, rollout, cfg, run_cfg)["logp"]
-    return model, rollout, cfg, run_cfg
+    questions = prompts.next_batch(4)
+    golds = [gold for _, gold in questions for _ in range(cfg.group_size)]
+    share = run_cfg.share_prompts
+    samples = cwgrpo.sample(model, tokenizer, [ids for ids, _ in questions], cfg, share=share)
+    with Grader(cwgrpo.grade_accuracy, cwgrpo.TIMED_OUT) as grader:
+        grades = grader.map([(t, g, "default") for t, g in zip(samples.texts, golds)])
+    rewards = cwgrpo.rewards_of(samples.texts, grades, cfg)
+    advantages = cwgrpo.group_advantages(rewards.total, cfg.group_size)
+    passes = cwgrpo.Passes.of(cfg, run_cfg)
+    ref_logp = cwgrpo.token_stats(reference, samples, cfg, passes).logp
+    rollout = cwgrpo.Batch.of(samples, rewards, advantages, old=None, ref_logp=ref_logp)
+    return model, rollout, cfg, passes
 
 
 def test_quartile_gradients_sum_to_the_full_gradient(scored_rollout):
-    model, rollout, cfg, run_cfg = scored_rollout
+    model, rollout, cfg, passes = scored_rollout
     valid = rollout.completion_mask.bool()
-    prob = cwgrpo.policy_token_stats(model, rollout, cfg, run_cfg)["logp"].exp()[valid]
+    prob = cwgrpo.token_stats(model, rollout, cfg, passes).logp.exp()[valid]
     quartiles = [diagnose.scatter_valid(q, valid) for q in diagnose.quantile_masks(prob, 4)]
     assert torch.equal(sum(quartiles), rollout.completion_mask)
 
     def gradient(tokens):
         model.zero_grad(set_to_none=True)
-        selected = dataclasses.replace(rollout, diagnose_tokens=tokens)
-        diagnose.step_gradient(model, selected, cfg, run_cfg, contextlib.nullcontext)
+        diagnose.step_gradient(model, rollout, cfg, passes, contextlib.nullcontext, only=tokens)
         return torch.cat([p.grad.flatten() for p in model.parameters()])
 
     full = gradient(rollout.completion_mask)
@@ -280,10 +285,10 @@ def test_quartile_gradients_sum_to_the_full_gradient(scored_rollout):
     torch.testing.assert_close(sum(parts), full, rtol=1e-4, atol=1e-6)
 
 
-def test_diagnose_rollout_report(scored_rollout):
-    model, rollout, cfg, run_cfg = scored_rollout
+def test_diagnose_batch_report(scored_rollout):
+    model, rollout, cfg, passes = scored_rollout
     rng = torch.get_rng_state()
-    report = diagnose.diagnose_rollout(model, rollout, cfg, run_cfg, contextlib.nullcontext)
+    report = diagnose.diagnose_batch(model, rollout, cfg, passes, contextlib.nullcontext)
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(p.grad is None for p in model.parameters())
     assert set(report["full_gradient_norm"]) == {"beta=0", "beta=0.04"}
@@ -294,7 +299,7 @@ def test_diagnose_rollout_report(scored_rollout):
     )
     # with beta = 0 the token weight is the advantage alone: the KL part is zero
     valid = rollout.completion_mask.bool()
-    prob = cwgrpo.policy_token_stats(model, rollout, cfg, run_cfg)["logp"].exp()[valid]
+    prob = cwgrpo.token_stats(model, rollout, cfg, passes).logp.exp()[valid]
     adv = rollout.advantages[:, None].expand_as(rollout.completion_mask)[valid]
     for q, mask in zip(report["quartiles"], diagnose.quantile_masks(prob, 4)):
         assert q["beta=0"]["abs_weight_mean"] == pytest.approx(

@@ -121,7 +121,8 @@ def assert_logprobs_are_the_trainers(model, out, group_size: int):
     args = ["--preset", "tiny", "--temperature", "1.0", "--group-size", str(group_size)]
     cfg, run_cfg = cwgrpo.parse_config(args)
     with torch.no_grad():
-        trainer, _, _ = cwgrpo.logprobs_of_run(run_cfg, group_size)(model, out, cfg.temperature)
+        passes = cwgrpo.Passes.of(cfg, run_cfg)
+        trainer, _, _ = cwgrpo.completion_logprobs(model, out, cfg, passes)
     valid = out.completion_mask.bool()
     assert (trainer[valid] - out.sampler_logp[valid]).abs().max() < 1e-4
     assert (out.sampler_logp[~valid] == 0).all()
@@ -185,7 +186,7 @@ def test_an_fp16_run_samples_from_a_half_engine_what_its_trainer_scores(
     monkeypatch.setattr(cwgrpo, "Engine", Kept)
     out = tmp_path / "run"
     args = tiny_run_args(tiny_base, out, "--steps", "2", "--rollout", "vllm", "--precision", "fp16")
-    cwgrpo.train(*cwgrpo.parse_config(args))
+    cwgrpo.main(*cwgrpo.parse_config(args))
     assert [engine.llm.llm_engine.model_config.dtype for engine in built] == [torch.float16]
     records = read_metrics(out / "metrics.jsonl")
     assert len(records) == 2 and all(r["skipped_steps"] == 0 for r in records)
@@ -214,7 +215,7 @@ def test_a_short_vllm_run_learns_as_the_hf_one_does(tiny_base, tmp_path):
     for rollout in ("hf", "vllm"):
         out = tmp_path / rollout
         args = tiny_run_args(tiny_base, out, "--steps", "100", "--rollout", rollout)
-        cwgrpo.train(*cwgrpo.parse_config(args))
+        cwgrpo.main(*cwgrpo.parse_config(args))
         records = read_metrics(out / "metrics.jsonl")
         gains[rollout] = accuracy(records, False) - accuracy(records, True)
         if rollout == "vllm":

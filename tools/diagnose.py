@@ -33,6 +33,7 @@ import transformers
 import cwgrpo
 from cwgrpo_utils import checkpoints, loading, plots
 from cwgrpo_utils.cli import arg, parse_dataclasses
+from cwgrpo_utils.grading_pool import Grader
 from cwgrpo_utils.lm_head import squared_probability_mass
 from cwgrpo_utils.precision import Precision
 from cwgrpo_utils.presets import CPU_PRESETS
@@ -110,52 +111,57 @@ def quantile_masks(values: torch.Tensor, parts: int) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def logp_and_squared_mass(model, rollout: cwgrpo.Rollout, cfg, run_cfg):
+def logp_and_squared_mass(model, batch: cwgrpo.Batch, cfg, passes: cwgrpo.Passes):
     """(N, T) log-probs and sum_v p_v^2 at each position (for ||onehot - p||^2 = 1 - 2 p_y +
     sum_v p_v^2), micro-batch by micro-batch."""
-    logp, squared_mass = (torch.zeros_like(rollout.completion_mask) for _ in range(2))
+    logp, squared_mass = (torch.zeros_like(batch.completion_mask) for _ in range(2))
     head = model.get_output_embeddings().weight
-    logprobs = cwgrpo.logprobs_of_run(run_cfg, cfg.group_size)
-    for block, rows in rollout.micro_batches(cwgrpo.micro_batch_rows(cfg, run_cfg)):
-        logp[block], _, hidden = logprobs(model, rows, cfg.temperature)
+    for block, rows in batch.micro_batches(passes.micro_batch_rows):
+        logp[block], _, hidden = cwgrpo.completion_logprobs(model, rows, cfg, passes)
         valid = rows.completion_mask.bool()
         squared_mass[block][valid] = squared_probability_mass(
-            hidden[valid], head, cfg.temperature, run_cfg.logit_chunk_elements
+            hidden[valid], head, cfg.temperature, passes.logit_chunk_elements
         )
     return logp, squared_mass
 
 
-def step_gradient(model, rollout: cwgrpo.Rollout, cfg, run_cfg, autocast, scale=None) -> list:
+def step_gradient(model, batch, cfg, passes, autocast, only=None, scale=None) -> list:
     """The gradient of the step's loss (its first update pass), summed into .grad micro-batch by
-    micro-batch as cwgrpo.py's loop sums it (scale: fp16's loss scaler's, where given), not
-    applied: it is measured. Only rollout.diagnose_tokens' tokens count where set. Returns each
-    micro-batch's (rows, loss, LossParts)."""
+    micro-batch through cwgrpo.py's sections 3, 5 and 6 as its loop sums it (scale: fp16's loss
+    scaler's, where given), not applied: it is measured. With `only` (N, T), only those tokens'
+    PG and KL terms count. Returns each micro-batch's (rows, loss, LossParts)."""
     model.train()
-    logprobs = cwgrpo.logprobs_of_run(run_cfg, cfg.group_size)
-    n_tokens = int(rollout.completion_mask.sum().clamp(min=1))
+    n_tokens = int(batch.completion_mask.sum().clamp(min=1))
     out = []
-    for _, rows in rollout.micro_batches(cwgrpo.micro_batch_rows(cfg, run_cfg)):
+    for block, rows in batch.micro_batches(passes.micro_batch_rows):
         with autocast():
-            logp, entropy, _ = logprobs(model, rows, cfg.temperature)
+            logp, entropy, _ = cwgrpo.completion_logprobs(model, rows, cfg, passes)
+            tokens = cwgrpo.Group.of(rows, logp, entropy, update_pass=0)
+            terms = cwgrpo.method_terms(tokens, cfg)
+            if only is not None:
+                active = only[block] if terms.active is None else only[block] * terms.active
+                terms = terms._replace(active=active)
             loss, parts = cwgrpo.policy_loss(
-                logp, entropy, rows, cfg, 0, n_responses=len(rollout.texts), n_tokens=n_tokens
+                tokens,
+                terms,
+                cfg,
+                sampler_logp=rows.sampler_logp,
+                ref_logp=rows.ref_logp,
+                n_responses=len(batch.texts),
+                n_tokens=n_tokens,
             )
         (loss if scale is None else scale(loss)).backward()
         out.append((rows, loss, parts))
     return out
 
 
-def quartile_gradients(
-    model, rollout, cfg, run_cfg, autocast, quartiles: list[torch.Tensor]
-) -> dict:
+def quartile_gradients(model, batch, cfg, passes, autocast, quartiles: list) -> dict:
     """L2 norm of the parameter gradient of the step's loss with only one quartile's tokens
     active (their PG and KL terms; the rest masked), and its cosine with the full gradient."""
 
     def gradient(tokens: torch.Tensor) -> torch.Tensor:
         model.zero_grad(set_to_none=True)
-        step_gradient(
-            model, dataclasses.replace(rollout, diagnose_tokens=tokens), cfg, run_cfg, autocast
-        )
+        step_gradient(model, batch, cfg, passes, autocast, only=tokens)
         return torch.cat(
             [
                 torch.zeros(p.numel(), device=p.device) if p.grad is None else p.grad.flatten()
@@ -163,7 +169,7 @@ def quartile_gradients(
             ]
         )
 
-    full = gradient(rollout.completion_mask)
+    full = gradient(batch.completion_mask)
     per_quartile = [gradient(q.float()) for q in quartiles]
     model.zero_grad(set_to_none=True)
     return {
@@ -180,25 +186,22 @@ def scatter_valid(flat: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def diagnose_rollout(model, rollout: cwgrpo.Rollout, cfg, run_cfg, autocast) -> dict:
-    """The papers' measurements on one scored rollout batch (ref_logp set when beta > 0), through
-    the training loss. Restores the RNG and leaves no gradient: training goes on unchanged."""
+def diagnose_batch(model, batch: cwgrpo.Batch, cfg, passes, autocast) -> dict:
+    """The papers' measurements on one scored batch (ref_logp set when beta > 0), through the
+    training loss. Restores the RNG and leaves no gradient: training goes on unchanged."""
     with checkpoints.rng_kept():
-        return measure_rollout(model, rollout, cfg, run_cfg, autocast)
+        return measure_batch(model, batch, cfg, passes, autocast)
 
 
-def measure_rollout(model, rollout: cwgrpo.Rollout, cfg, run_cfg, autocast) -> dict:
-    logp, squared_mass = logp_and_squared_mass(model, rollout, cfg, run_cfg)
-    mask, valid = rollout.completion_mask, rollout.completion_mask.bool()
-    groups = [slice(i, i + cfg.group_size) for i in range(0, len(rollout.texts), cfg.group_size)]
+def measure_batch(model, batch: cwgrpo.Batch, cfg, passes, autocast) -> dict:
+    logp, squared_mass = logp_and_squared_mass(model, batch, cfg, passes)
+    mask, valid = batch.completion_mask, batch.completion_mask.bool()
+    spans = [slice(i, i + cfg.group_size) for i in range(0, len(batch.texts), cfg.group_size)]
     score = torch.cat(
-        [cwgrpo.covariance_score(logp[g], rollout.advantages[g], mask[g]) for g in groups]
+        [cwgrpo.covariance_score(logp[g], batch.advantages[g], mask[g]) for g in spans]
     )[valid]
     cw = torch.cat(
-        [
-            cwgrpo.cw_weights(logp[g], rollout.advantages[g], mask[g], norm=cfg.cw_norm)
-            for g in groups
-        ]
+        [cwgrpo.cw_weights(logp[g], batch.advantages[g], mask[g], norm=cfg.cw_norm) for g in spans]
     )[valid]
     prob = logp.exp()[valid]
     quartiles = quantile_masks(prob, 4)
@@ -217,18 +220,18 @@ def measure_rollout(model, rollout: cwgrpo.Rollout, cfg, run_cfg, autocast) -> d
         ],
         "cw_weight_by_covariance_decile": [cw[d].mean().item() for d in quantile_masks(score, 10)],
     }
-    adv = rollout.advantages[:, None].expand_as(logp)[valid]
+    adv = batch.advantages[:, None].expand_as(logp)[valid]
     for beta in sorted({0.0, cfg.beta}):
         # Yang et al.'s token weight (their Eq. 8), on-policy: A + beta (pi_ref / pi - 1)
         weight = adv.clone()
-        if beta > 0 and rollout.ref_logp is not None:
-            weight += beta * ((rollout.ref_logp - logp)[valid].exp() - 1)
+        if beta > 0:
+            weight += beta * ((batch.ref_logp - logp)[valid].exp() - 1)
         key = f"beta={beta:g}"
         gradients = quartile_gradients(
             model,
-            dataclasses.replace(rollout, ref_logp=rollout.ref_logp if beta else None),
+            batch,
             dataclasses.replace(cfg, beta=beta),
-            run_cfg,
+            passes,
             autocast,
             [scatter_valid(q, valid) for q in quartiles],
         )
@@ -355,7 +358,7 @@ def batch(argv: list) -> Path | None:
     prog = "python -m tools.diagnose batch"
     cfg, run_cfg, bcfg = cwgrpo.parse_config(argv, BatchConfig, hidden=TRAINING_ONLY, prog=prog)
     if run_cfg.plan:  # the memory a run's step needs: the batch's sampling and gradients, as here
-        return cwgrpo.train(cfg, run_cfg)
+        return cwgrpo.main(cfg, run_cfg)
     if run_cfg.threads:
         torch.set_num_threads(run_cfg.threads)
     device = loading.resolve_device(run_cfg.device, "" if cfg.preset in CPU_PRESETS else cfg.preset)
@@ -377,19 +380,33 @@ def batch(argv: list) -> Path | None:
     )
     prompts = PromptStream(dataset, tokenizer, cfg)
     engine = Engine.for_run(cfg, run_cfg, precision) if run_cfg.rollout == "vllm" else None
-    grader = cwgrpo.Grader(cfg.reward_timeout_s, run_cfg.reward_workers)
-    with autocast():
-        batch_prompts = prompts.next_batch(cfg.prompts_per_step)
-        rollout = cwgrpo.sample(model, tokenizer, batch_prompts, cfg, run_cfg, engine=engine)
-        cwgrpo.rollout_rewards(
-            rollout,
-            grader.map([(t, g, "default") for t, g in zip(rollout.texts, rollout.golds)]),
+    passes = cwgrpo.Passes.of(cfg, run_cfg)
+    questions = prompts.next_batch(cfg.prompts_per_step)
+    golds = [gold for _, gold in questions for _ in range(cfg.group_size)]
+    grading = Grader(
+        cwgrpo.grade_accuracy,
+        on_timeout=cwgrpo.TIMED_OUT,
+        timeout_s=cfg.reward_timeout_s,
+        workers=run_cfg.reward_workers,
+    )
+    with grading as grader, autocast():
+        samples = cwgrpo.sample(
+            model,
+            tokenizer,
+            [ids for ids, _ in questions],
             cfg,
+            chunk=run_cfg.rollout_chunk,
+            share=run_cfg.share_prompts,
+            engine=engine,
         )
+        grades = grader.map([(t, gold, "default") for t, gold in zip(samples.texts, golds)])
+        rewards = cwgrpo.rewards_of(samples.texts, grades, cfg)
+        advantages = cwgrpo.group_advantages(rewards.total, cfg.group_size)
+        ref_logp = None
         if reference is not None:
-            rollout.ref_logp = cwgrpo.policy_token_stats(reference, rollout, cfg, run_cfg)["logp"]
-    grader.close()
-    report = diagnose_rollout(model, rollout, cfg, run_cfg, autocast)
+            ref_logp = cwgrpo.token_stats(reference, samples, cfg, passes).logp
+    batch = cwgrpo.Batch.of(samples, rewards, advantages, old=None, ref_logp=ref_logp)
+    report = diagnose_batch(model, batch, cfg, passes, autocast)
     out = Path(bcfg.diagnostics_dir or Path(cfg.model) / "diagnostics")
     out.mkdir(parents=True, exist_ok=True)
     (out / "diagnostics.json").write_text(json.dumps(report, indent=1))
@@ -410,14 +427,16 @@ def train(argv: list) -> None:
         )
     path = Path(run_cfg.output_dir) / "diagnostics.jsonl"
 
-    def on_rollout(step, model, rollout, autocast):
-        if step == 1 or step % tcfg.every == 0:  # the first batch too: first -> last
-            report = diagnose_rollout(model, rollout, cfg, run_cfg, autocast)
-            append_record(path, {"rollout_step": step, **report})
+    passes = cwgrpo.Passes.of(cfg, run_cfg)
+
+    def on_rollout(rollout_step, model, batch, autocast):
+        if rollout_step == 1 or rollout_step % tcfg.every == 0:  # the first too: first -> last
+            report = diagnose_batch(model, batch, cfg, passes, autocast)
+            append_record(path, {"rollout_step": rollout_step, **report})
 
     if run_cfg.resume:
         keep_records_until(path, resumed_step(Path(run_cfg.output_dir)))
-    return cwgrpo.train(cfg, run_cfg, on_rollout)
+    return cwgrpo.main(cfg, run_cfg, on_rollout)
 
 
 def resumed_step(output_dir: Path) -> int:
