@@ -2,160 +2,36 @@
 Reweighting", Wang et al., ACL 2026) and the token-weighting methods it is compared with, in one
 file that reads in the order a training step runs; docs/math.md has every formula.
 
-    Config, then one step's sections:  1 sampling  2 reward  3 log-probs  4 group advantages
-    5 the methods' token weights  6 the loss  7 the optimizer;  then the training loop, which runs
-    them in that order, and main
-
     python cwgrpo.py --method cw --preset tiny   # CW-GRPO on a tiny model, in a minute on a CPU
     python cwgrpo.py --method cw                 # the paper's 1.5B recipe (one CUDA GPU)
 
-How and where a run runs (its folder and checkpoints, the device and precision, memory and speed,
-the vLLM sampler, LoRA) is cwgrpo_utils/'s business: RunConfig holds its options, Run its work.
+Sections 1 sampling, 2 reward, 3 log-probs, 4 group advantages, 5 the methods' token weights, 6
+the loss, 7 the optimizer; then the training loop, which runs them in that order, and main. The
+options are Config's (cwgrpo_utils/options/config.py); how and where a run runs (its folder,
+device, precision, memory, vLLM, LoRA) is cwgrpo_utils's business: RunConfig, and Run.
 """
 
 import dataclasses
-import sys
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Callable
 
-from cwgrpo_utils import OPEN_RS_SYSTEM_PROMPT, cli
-from cwgrpo_utils.cli import arg
-from cwgrpo_utils.presets import PRESETS
-from cwgrpo_utils.run_config import RunConfig, check_output_dir, micro_batch_rows, parse_run
-
-# Config -------------------------------------------------------------------------------------------
-# --method's choices, in the order section 5 defines them, and the Config fields each reads
-METHOD_OPTIONS = {
-    "grpo": (),
-    "cw": ("cw_reading", "cw_norm", "cw_detach", "cw_gradient_only"),
-    "clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),
-    "kl_cov": ("kl_cov_ratio", "kl_cov_coef"),
-    "ar": ("ar_alpha",),
-    "lopti": ("lopti_eta",),
-    "ar_lopti": ("ar_lopti_alpha", "ar_lopti_eta"),
-    "ict": ("ict_keep_frac",),
-    "entropy20": ("entropy_top_frac",),
-    "stapo": ("stapo_max_prob", "stapo_entropy_percentile"),
-}
-# What each --cw-reading means (docs/fidelity.md). gradient-only is a control: weights of value
-# exactly 1 that carry the released weights' gradient
-CW_READINGS = {
-    "released": dict(cw_norm="padded", cw_detach=False, cw_gradient_only=False),
-    "paper": dict(cw_norm="valid", cw_detach=True, cw_gradient_only=False),
-    "gradient-only": dict(cw_norm="padded", cw_detach=False, cw_gradient_only=True),
-}
-CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-AGGREGATIONS = ("seq-mean-token-mean", "token-mean")
-
-
-@dataclass
-class Config:
-    """The algorithm's options. The defaults are the released 1.5B recipe (docs/math.md, "Recipe");
-    PRESETS (cwgrpo_utils/presets.py) override some. --help shows the defaults of the --preset
-    given (paper-1.5b when none is)."""
-
-    _argument_group_name = "the algorithm (what a run computes)"
-
-    preset: Literal[tuple(PRESETS)] = arg("paper-1.5b", "a recipe whose values are the defaults")
-    method: Literal[tuple(METHOD_OPTIONS)] = arg("cw", "token-weighting method (section 5)")
-    # Model and data
-    model: str = arg("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", "hub id or local folder")
-    dataset: str = arg("knoveleng/open-rs", "hub id or local .json/.jsonl/.parquet/.csv file")
-    dataset_split: str = arg("train", "split of a hub dataset")
-    question_column: str = arg("problem", "column of the question")
-    gold_column: str = arg("solution", "column of the reference solution (parsed by math-verify)")
-    system_prompt: str = arg(OPEN_RS_SYSTEM_PROMPT, "system message (Open-RS's); empty: none")
-    max_prompt_length: int = arg(512, "longer prompts are skipped (and counted)", "> 0")
-    # Sampling (section 1)
-    group_size: int = arg(12, "G, completions sampled per prompt", ">= 2")
-    prompts_per_step: int = arg(12, "prompts per rollout batch", "> 0")
-    max_completion_length: int = arg(4096, "generation limit; see --length-limit", "> 0")
-    length_limit: Literal["total", "new"] = arg("total", "of prompt + completion, or new tokens")
-    temperature: float = arg(0.7, "sampling temperature; log-probs use it too", "> 0")
-    top_p: float = arg(1.0, "nucleus sampling; 1.0 is off (paper)", "in (0, 1]")
-    top_k: int = arg(0, "top-k sampling; 0 is off (paper)", ">= 0")
-    # Reward (section 2)
-    accuracy_weight: float = arg(1.0, "weight of the accuracy reward", ">= 0")
-    format_weight: float = arg(1.0, "weight of the format reward", ">= 0")
-    reward_timeout_s: float = arg(10.0, "hard limit on grading one completion", "> 0")
-    # The loss (section 6)
-    beta: float = arg(0.04, "k3 KL coefficient; 0 loads no reference model", ">= 0")
-    eps_low: float = arg(0.2, "PPO clip range below 1", ">= 0")
-    eps_high: float = arg(0.2, "PPO clip range above 1", ">= 0")
-    loss_aggregation: Literal[AGGREGATIONS] = arg(AGGREGATIONS[0], "GRPO's (paper), or DAPO's")
-    num_iterations: int = arg(1, "policy updates per rollout batch (paper: 1)", "> 0")
-    mask_truncated_completions: bool = arg(False, "drop completions cut at the limit from the loss")
-    sampler_correction: Literal[CORRECTIONS] = arg("none", "for the sampler-trainer mismatch")
-    sampler_correction_cap: float = arg(3.0, "C: truncate the ratio at it, or mask above it", "> 0")
-    sampler_correction_min: float = arg(0.0, "C_min: *_mask also masks ratios below it", ">= 0")
-    # Each method's options (section 5; METHOD_OPTIONS)
-    cw_reading: Literal[tuple(CW_READINGS)] = arg("released", "cw: a reading (CW_READINGS)")
-    cw_norm: Literal["padded", "valid"] = arg("padded", "cw: mean 1 over padded or real tokens")
-    cw_detach: bool = arg(False, "cw: no gradient through the weights (released code: it flows)")
-    cw_gradient_only: bool = arg(False, "cw: weights of value 1 with the weights' gradient")
-    clip_cov_ratio: float = arg(2e-4, "clip_cov: share of tokens zeroed", "in (0, 1]")
-    clip_cov_lb: float = arg(1.0, "clip_cov: candidates have covariance above this")
-    clip_cov_ub: float = arg(5.0, "clip_cov: candidates have covariance below this")
-    kl_cov_ratio: float = arg(2e-3, "kl_cov: share of tokens penalised", "in (0, 1]")
-    kl_cov_coef: float = arg(1.0, "kl_cov: coefficient of |logp - old_logp|", ">= 0")
-    ar_alpha: float = arg(0.2, "ar: alpha of w = alpha p + 1 - alpha", "in [0, 1]")
-    lopti_eta: float = arg(0.4, "lopti: probability threshold of the first pass", "in (0, 1]")
-    ar_lopti_alpha: float = arg(0.3, "ar_lopti: ar's alpha", "in [0, 1]")
-    ar_lopti_eta: float = arg(0.5, "ar_lopti: lopti's eta", "in (0, 1]")
-    ict_keep_frac: float = arg(0.1, "ict: share of positions kept", "in (0, 1]")
-    entropy_top_frac: float = arg(0.2, "entropy20: share of tokens kept", "in (0, 1]")
-    stapo_max_prob: float = arg(0.01, "stapo: silence tokens with p below this ...", ">= 0")
-    stapo_entropy_percentile: float = arg(5.0, "... and entropy below this pct", "in [0, 100]")
-    # The optimizer and its schedule (section 7)
-    learning_rate: float = arg(1e-6, "peak AdamW learning rate", "> 0")
-    min_lr_ratio: float = arg(0.1, "the cosine schedule ends at this x peak", "in [0, 1]")
-    warmup_ratio: float = arg(0.1, "share of steps with linear warmup", "in [0, 1]")
-    weight_decay: float = arg(0.0, "AdamW weight decay", ">= 0")
-    max_grad_norm: float = arg(1.0, "gradient clipping norm", "> 0")
-    steps: int = arg(300, "rollout batches to train on", "> 0")
-    seed: int = arg(2025, "seed of data order and sampling", ">= 0")
-
-    def __post_init__(self):
-        """Every value is checked here, at parse time, before any slow work."""
-        cli.check_ranges(self)
-        lb, ub = self.clip_cov_lb, self.clip_cov_ub
-        cli.check(lb < ub, f"--clip-cov-lb ({lb}) must be below --clip-cov-ub ({ub})")
-        cli.check(
-            self.length_limit == "new" or self.max_prompt_length < self.max_completion_length,
-            f"--max-prompt-length ({self.max_prompt_length}) leaves no room for a completion "
-            f"within --max-completion-length ({self.max_completion_length}) under --length-limit "
-            "total",
-        )
-        if self.cw_reading != "released":  # the one place a reading is resolved
-            for name, value in CW_READINGS[self.cw_reading].items():
-                setattr(self, name, value)
-
-
-def parse_config(argv=None, *extra, hidden: tuple = (), prog: str | None = None) -> list:
-    """[the algorithm's Config, the run's RunConfig, and one of each dataclass a tool adds] from
-    the command line, the --preset's values as defaults; `hidden` options stay out of --help."""
-    parsed = parse_run(
-        Config,
-        sys.argv[1:] if argv is None else list(argv),
-        *extra,
-        method_options=METHOD_OPTIONS,
-        readings=CW_READINGS,
-        hidden=hidden,
-        description=__doc__.split("\n\n")[0],
-        prog=prog,
-    )
-    if parsed[0].method == "kl_cov" and parsed[0].num_iterations == 1:
-        note = "note: kl_cov's |logp - old_logp| is 0 with one update per batch: it trains as GRPO"
-        cli.warn_once(note, note + "; use --num-iterations 2")
-    return parsed
-
+# The algorithm's options and the run's, read before the heavy imports below (options/config.py)
+from cwgrpo_utils.options.config import (
+    METHODS,
+    Config,
+    Passes,
+    Sampling,
+    parse_config,
+    register_method,
+)
+from cwgrpo_utils.options.run_config import RunConfig, check_output_dir
 
 if __name__ == "__main__":  # --help and bad options answer here, before the heavy imports below
     CONFIG, RUN_CONFIG = parse_config()
     if not RUN_CONFIG.plan:  # a folder that holds a run, refused at once
         check_output_dir(RUN_CONFIG.output_dir, RUN_CONFIG.resume, RUN_CONFIG.overwrite_output_dir)
 
-# What a run needs once its command line is known (pyproject.toml lets these follow the Config)
+# What a run needs once its command line is known (pyproject.toml lets these follow the guard)
 import math
 import random
 from pathlib import Path
@@ -166,18 +42,19 @@ import transformers
 from latex2sympy2_extended import NormalizationConfig
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-from cwgrpo_utils import loading, lora, metrics, shared_prompt
-from cwgrpo_utils.batch import Rows, per_row, whole_batch
-from cwgrpo_utils.grading_pool import Grader, LogCounter
-from cwgrpo_utils.lm_head import ict_divergence, valid_logprobs
-from cwgrpo_utils.run import Run
+from cwgrpo_utils.fast import shared_prompt
+from cwgrpo_utils.fast.lm_head import ict_divergence, valid_logprobs
+from cwgrpo_utils.machine.grading_pool import TIMED_OUT, Grade, LogCounter
+from cwgrpo_utils.models import loading, lora
+from cwgrpo_utils.models.batch import Rows, per_row, whole_batch
+from cwgrpo_utils.run import metrics
+from cwgrpo_utils.run.run import Loaded, Run
 
 
 # 1. Sampling --------------------------------------------------------------------------------------
 @dataclass
 class Samples(Rows):
-    """What sampling gives: N = prompts x G completions, consecutive rows a group (select and
-    micro_batches, cwgrpo_utils/batch.py, give a part of its rows, itself Samples)."""
+    """N = prompts x G completions, a group's rows consecutive (their parts: models/batch.py)."""
 
     prompt_ids: torch.Tensor = per_row("left", token_ids=True)  # (N, P) left-padded
     prompt_mask: torch.Tensor = per_row("left", mask=True)  # (N, P)
@@ -188,34 +65,14 @@ class Samples(Rows):
     sampler_logp: torch.Tensor = per_row("right")  # (N, T) the sampler's log-probs of its tokens
 
 
-class Sampling(NamedTuple):
-    """How completions are drawn: n of each prompt from softmax(logits / temperature), cut to the
-    top_k tokens and the top_p nucleus where set (0 and 1: off), each at most max_new_tokens long
-    or, with max_total, at most max_total tokens with its prompt (as vLLM's max model length)."""
-
-    n: int
-    temperature: float
-    top_p: float
-    top_k: int
-    max_new_tokens: int
-    max_total: int | None = None
-
-
 @torch.no_grad()
-def sample(model, tokenizer, prompts: list[list[int]], cfg, chunk=0, share=False, engine=None):
-    """G completions of each prompt (token ids, through the chat template: prompts.py), by the
-    token loop below or, given one, a vLLM engine that samples from `model`'s weights; `chunk`
-    prompts at a time (0: all) and with `share` each group's prompt prefilled once."""
+def sample(model, tokenizer, prompts: list[list[int]], cfg, passes: Passes, engine=None):
+    """G completions of each prompt (token ids, through the chat template: models/prompts.py), by
+    the token loop below or a vLLM engine with `model`'s weights; passes.rollout_chunk prompts at
+    a time (0: all), with passes.share_prompts each group's prompt prefilled once."""
     model.eval()
-    limit = cfg.max_completion_length
-    how = Sampling(
-        cfg.group_size,
-        cfg.temperature,
-        cfg.top_p,
-        top_k=cfg.top_k,
-        max_new_tokens=limit,
-        max_total=limit if cfg.length_limit == "total" else None,  # prompt + completion
-    )
+    how = Sampling.of(cfg)  # G completions a prompt at the temperature, within the length limit
+    chunk, share = passes.rollout_chunk, passes.share_prompts
     samples = generate_completions(
         model, tokenizer, prompts, how=how, chunk=chunk, engine=engine, share=share
     )
@@ -225,21 +82,15 @@ def sample(model, tokenizer, prompts: list[list[int]], cfg, chunk=0, share=False
 
 
 @torch.no_grad()
-def generate_completions(
-    model, tokenizer, prompts, how: Sampling, chunk=0, engine=None, share=False
-) -> Samples:
-    """how.n completions of each prompt. With chunk, that many prompts are sampled at a time, each
-    chunk as if alone, which bounds the KV cache. With an engine, vLLM samples (model None: an
-    engine with weights of its own, evaluate.py's); else this section's loop, with share each
-    prompt prefilled once for its n rows."""
+def generate_completions(model, tokenizer, prompts, how, chunk=0, engine=None, share=False):
+    """how.n completions a prompt, `chunk` prompts at a time, by vLLM or this section's loop."""
     if chunk and engine is None and chunk < len(prompts):  # a KV cache of `chunk` prompts at once
         parts = [
             generate_completions(model, tokenizer, prompts[i : i + chunk], how, share=share)
             for i in range(0, len(prompts), chunk)
         ]
         return Samples.joined(parts, pad=tokenizer.pad_token_id)  # as if sampled in one batch
-    eos = (model or engine).generation_config.eos_token_id  # the tokens a completion ends at
-    eos = [eos] if isinstance(eos, int) else list(eos or []) or [tokenizer.eos_token_id]
+    eos = loading.eos_ids(model or engine, tokenizer)  # the tokens a completion ends at
     device = next(model.parameters()).device if model is not None else torch.device("cpu")
     width = max(map(len, prompts))
     pad = tokenizer.pad_token_id
@@ -252,12 +103,11 @@ def generate_completions(
     if engine is not None:
         ids, logp = engine.generate(model, prompts, how, limits=limits, eos=eos, pad=pad)
     else:  # this section's token loop
-        steps = max(limits)
+        limit = max(limits)
         ids, logp = sample_tokens(
-            model, prompt_ids, prompt_mask, how=how, steps=steps, eos=eos, pad=pad, share=share
+            model, prompt_ids, prompt_mask, how=how, limit=limit, eos=eos, pad=pad, share=share
         )
-    ids = ids.to(device)  # (N, T), right-padded
-    logp = logp.to(device)
+    ids, logp = ids.to(device), logp.to(device)  # (N, T), right-padded
     # each row's mask holds its tokens up to and including the first EOS within its limit
     positions = torch.arange(ids.shape[1], device=device)
     is_eos = torch.isin(ids, torch.tensor(eos, device=device)) & (positions < row_limits[:, None])
@@ -277,25 +127,21 @@ def generate_completions(
 
 
 @torch.no_grad()
-def sample_tokens(model, prompt_ids, prompt_mask, how, steps, eos, pad, cache=None, share=False):
-    """Autoregressive sampling with a KV cache for `steps` tokens at most, rows stopping at an EOS
-    id. Only the temperature and the cuts shape the distribution, so the tokens come from the one
-    whose log-probs the loss uses: generate() would add what the model's generation_config.json
-    ships (a repetition penalty, say). The (B, T) tokens and their log-probs, 0 after an EOS.
-    With share, each group of how.n rows (one prompt) is prefilled once. `cache` is for the tests
-    alone, which read what it held."""
+def sample_tokens(model, prompt_ids, prompt_mask, how, limit, eos, pad, cache=None, share=False):
+    """At most `limit` tokens a row with a KV cache, a row stopping at an EOS: (B, T) tokens and
+    log-probs, 0 after it. Only the temperature and the cuts shape the distribution the loss reads
+    (generate() adds generation_config's penalties). share: a prompt's how.n rows prefilled once."""
     attention = prompt_mask.clone()  # (B, P), then one column more each step
     positions = (attention.cumsum(1) - 1).clamp(min=0)  # left padding: count real tokens only
     # = DynamicCache(), keeping keys and values in bf16 under CUDA autocast (loading.py)
     cache = loading.KVCache.for_model(model) if cache is None else cache
     cache_argument = loading.cache_argument(model, cache)  # {"cache": cache}, by version
     input_ids = prompt_ids
-    tokens = []
-    logps = []
+    tokens, logps = [], []
     finished = torch.zeros(len(prompt_ids), dtype=torch.bool, device=prompt_ids.device)  # (B,)
     eos = torch.tensor(eos, device=prompt_ids.device)
-    for step in range(steps):
-        prefill = step == 0
+    for t in range(limit):
+        prefill = t == 0
         fed = slice(None, None, how.n) if prefill and share else slice(None)  # = every row
         logits = model(
             input_ids=input_ids[fed],
@@ -331,13 +177,6 @@ def sample_tokens(model, prompt_ids, prompt_mask, how, steps, eos, pad, cache=No
 
 
 # 2. Reward: math-verify accuracy + format (docs/math.md, "Reward") --------------------------------
-class Grade(NamedTuple):
-    accuracy: float
-    gold_parsed: bool  # False: the gold could not be parsed, so the accuracy is 0 by rule
-    timed_out: bool  # grading was cut off (ours or math-verify's own limit), so the accuracy is 0
-
-
-TIMED_OUT = Grade(0.0, gold_parsed=True, timed_out=True)  # a grading the pool's time limit cut off
 GOLD_EXTRACTION = {
     "default": [LatexExtractionConfig(), ExprExtractionConfig()],
     "expr": [ExprExtractionConfig()],
@@ -349,10 +188,8 @@ PREDICTION_EXTRACTION = [LatexExtractionConfig(False, 0, RELEASED_NORMALISATION)
 
 
 def grade_accuracy(completion: str, gold: str, gold_format: str = "default") -> Grade:
-    """1.0 if math-verify finds the completion's answer equal to the gold, checked gold first
-    (verify is not symmetric). gold_format "default" is math-verify's default extraction, the
-    training reward's; evaluate.py's benchmarks parse their gold as "expr" or "latex".
-    math-verify's own cutoffs (5 s a parse or comparison) score 0 and count as cutoffs."""
+    """1.0 if math-verify finds the completion's answer equal to the gold, gold first (verify is
+    not symmetric); evaluate.py's golds are "expr" or "latex". A cutoff scores 0 and is counted."""
     cutoffs = LogCounter.installed("math_verify", "Timeout during")
     before = cutoffs.count
     try:
@@ -386,25 +223,8 @@ def rewards_of(texts: list[str], grades: list[Grade], cfg: Config) -> Rewards:
 
 
 # 3. Log-probs and entropy -------------------------------------------------------------------------
-class Passes(NamedTuple):
-    """How this section's passes compute (the run's options), not what: the same values to
-    rounding (tests/test_shared_prompts.py)."""
-
-    micro_batch_rows: int  # rows a forward (and backward) holds: whole groups
-    share_prompts: bool  # each group's prompt encoded once
-    logit_chunk_elements: int  # logits the LM head holds at once; 0: every position's
-
-    @classmethod
-    def of(cls, cfg: Config, run_cfg: RunConfig) -> "Passes":
-        per_group = run_cfg.groups_per_micro_batch
-        rows = micro_batch_rows(per_group, cfg.prompts_per_step, cfg.group_size)
-        return cls(rows, run_cfg.share_prompts, run_cfg.logit_chunk_elements)
-
-
 def completion_states(model, rows: Samples, group_size: int, share_prompts: bool) -> torch.Tensor:
-    """(rows, T, hidden): the decoder's last states at the positions that predict each completion
-    token, from one forward over each row's prompt + completion; with share_prompts, each group's
-    prompt once (rows in groups of group_size, each group one prompt)."""
+    """(rows, T, hidden): the last states at the positions that predict each completion token."""
     decoder = model.get_decoder()
     prompt_width = rows.prompt_ids.shape[1]
     if share_prompts:  # Prefix Grouper (arXiv 2506.05433): the same states to rounding
@@ -427,9 +247,8 @@ def completion_states(model, rows: Samples, group_size: int, share_prompts: bool
 
 
 def completion_logprobs(model, rows: Samples, cfg: Config, passes: Passes):
-    """(rows, T) log-probs of the sampled completion tokens under softmax(logits / temperature),
-    the distribution they were sampled from, and the entropies there, 0 on padding; and the
-    (rows, T, hidden) states that predict them."""
+    """(rows, T) log-probs of the completion tokens under softmax(logits / temperature), the
+    distribution they were drawn from, and the entropies there, 0 on padding; and the states."""
     hidden = completion_states(model, rows, cfg.group_size, share_prompts=passes.share_prompts)
     head = model.get_output_embeddings()
     if passes.logit_chunk_elements:  # memory: the LM head a chunk of valid positions at a time,
@@ -460,12 +279,9 @@ class TokenStats(NamedTuple):
 
 @torch.no_grad()
 def token_stats(model, samples: Samples, cfg, passes: Passes, divergence=False) -> TokenStats:
-    """The log-probs and entropies of the batch's tokens under `model` (the rollout policy, or the
-    reference), a micro-batch at a time, and on request ict's divergence in the same pass."""
-    logp, entropy = (
-        torch.zeros_like(samples.completion_mask),
-        torch.zeros_like(samples.completion_mask),
-    )
+    """The batch under `model`, a micro-batch at a time; on request ict's divergence too."""
+    logp = torch.zeros_like(samples.completion_mask)
+    entropy = torch.zeros_like(logp)
     divergences = torch.zeros_like(logp) if divergence else None
     for block, rows in samples.micro_batches(passes.micro_batch_rows):
         logp[block], entropy[block], hidden = completion_logprobs(model, rows, cfg, passes)
@@ -482,8 +298,7 @@ def token_stats(model, samples: Samples, cfg, passes: Passes, divergence=False) 
 
 
 def reference_logprobs(model, reference, samples: Samples, cfg, passes: Passes) -> torch.Tensor:
-    """(N, T) the batch's log-probs under the KL's reference: a frozen copy of the starting model,
-    or under LoRA the base itself (the adapter off)."""
+    """(N, T) log-probs under the KL's reference: a frozen copy, or LoRA's base (adapter off)."""
     with lora.reference_of(model, reference) as frozen:
         return token_stats(frozen, samples, cfg, passes).logp
 
@@ -492,16 +307,13 @@ def reference_logprobs(model, reference, samples: Samples, cfg, passes: Passes) 
 def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """A_i = (R_i - mean(R)) / (std(R) + 1e-4) within each group, Bessel std (GRPO; math.md)."""
     per_group = rewards.view(-1, group_size)  # (prompts, G)
-    advantages = (per_group - per_group.mean(1, keepdim=True)) / (
-        per_group.std(1, keepdim=True) + 1e-4
-    )
-    return advantages.view(-1)  # (N,)
+    std = per_group.std(1, keepdim=True)
+    return ((per_group - per_group.mean(1, keepdim=True)) / (std + 1e-4)).view(-1)  # (N,)
 
 
 @dataclass
 class Batch(Samples):
-    """The samples as the update reads them, every phase's values beside them; None where a phase
-    did not run (the training loop says when it does)."""
+    """The samples and each phase's values, as the update reads them; None: a phase not run."""
 
     rewards: torch.Tensor = per_row()  # (N,) section 2's total
     accuracy: torch.Tensor = per_row()  # (N,)
@@ -514,26 +326,25 @@ class Batch(Samples):
 
     @classmethod
     def of(cls, samples: Samples, rewards: Rewards, advantages, old: TokenStats | None, ref_logp):
-        """The step's values side by side: old the rollout policy's stats, or None."""
+        """The step's values side by side; old: the rollout policy's stats, or None."""
+        old_logp, old_entropy, divergence = old or (None, None, None)
+        valid = samples.completion_mask.bool()
         return cls(
             **vars(samples),
             rewards=rewards.total,
             accuracy=rewards.accuracy,
             advantages=advantages.to(samples.completion_ids.device),
-            old_logp=None if old is None else old.logp,
-            old_entropy=None if old is None else old.entropy,
-            divergence=None if old is None else old.divergence,
+            old_logp=old_logp,
+            old_entropy=old_entropy,
+            divergence=divergence,
             ref_logp=ref_logp,
-            entropies=None
-            if old is None
-            else old.entropy[samples.completion_mask.bool()].sort()[0],
+            entropies=None if old is None else old_entropy[valid].sort().values,
         )
 
 
 # 5. The methods' token weights: how each one changes the per-token loss (math.md, "Methods") ------
 class Group(NamedTuple):
-    """What a method sees of one group of G responses (T = the micro-batch's longest response);
-    the same of a micro-batch's rows, whose groups method_terms hands the methods one by one."""
+    """What a method sees of one group of G responses (T: the longest), or of a micro-batch."""
 
     logp: torch.Tensor  # (G, T) current policy, with gradient
     old_logp: torch.Tensor  # (G, T) rollout policy, no gradient
@@ -546,9 +357,7 @@ class Group(NamedTuple):
 
     @classmethod
     def of(cls, rows, logp, entropy, update_pass: int) -> "Group":
-        """A micro-batch's tokens (Batch rows) as the methods read them, logp and entropy the
-        policy's, with gradient: beside the rollout policy's where measured, else beside these
-        (detached: with one update a batch the rollout policy is the policy)."""
+        """A micro-batch's rows, logp and entropy the policy's, beside the rollout policy's."""
         measured = rows.old_logp is not None
         return cls(
             logp,
@@ -562,18 +371,13 @@ class Group(NamedTuple):
         )
 
     def groups(self, size: int) -> list["Group"]:
-        """This micro-batch's groups of `size` consecutive rows (the batch's entropies and the
-        pass are every group's)."""
+        """This micro-batch's groups of `size` consecutive rows (batch_entropy and update_pass are
+        every group's)."""
+        per_row = ("logp", "old_logp", "advantages", "mask", "entropy", "divergence")
+        values = {name: getattr(self, name) for name in per_row}
         spans = [slice(start, start + size) for start in range(0, len(self.logp), size)]
         return [
-            self._replace(
-                logp=self.logp[rows],
-                old_logp=self.old_logp[rows],
-                advantages=self.advantages[rows],
-                mask=self.mask[rows],
-                entropy=self.entropy[rows],
-                divergence=None if self.divergence is None else self.divergence[rows],
-            )
+            self._replace(**{k: v[rows] for k, v in values.items() if v is not None})
             for rows in spans
         ]
 
@@ -584,46 +388,6 @@ class TokenTerms(NamedTuple):
     pg_weight: torch.Tensor  # w (G, T); 0 drops a token's PG term, not its share of the denominator
     extra: torch.Tensor | None = None  # (G, T) a per-token term added to the loss (kl_cov)
     active: torch.Tensor | None = None  # (G, T) tokens whose PG and KL terms count in this pass
-
-    @classmethod
-    def joined(cls, per_group: list["TokenTerms"]) -> "TokenTerms":
-        """Groups' terms side by side, as their micro-batch's (rows, T) ones."""
-        pg_weight = torch.cat([terms.pg_weight for terms in per_group])
-        first = per_group[0]
-        extra = None if first.extra is None else torch.cat([t.extra for t in per_group])
-        active = None if first.active is None else torch.cat([t.active for t in per_group])
-        return cls(pg_weight, extra, active)
-
-
-@dataclass
-class Method:
-    """A token-weighting method of this section: its token terms, and what the loop does for it."""
-
-    token_terms: Callable  # (Group, Config) -> TokenTerms
-    description: str
-    clip: bool = True  # PPO's clipped surrogate (kl_cov: off)
-    update_passes: int = 1  # lopti: a pass on the low-probability tokens, then one on the rest
-    needs_stats: bool = False  # the batch's old log-probs and entropies, before the update
-    needs_divergence: bool = False  # and ict's divergence, in the same pass
-
-    @property
-    def options(self) -> tuple[str, ...]:
-        """The Config fields it reads."""
-        return METHOD_OPTIONS[self.token_terms.__name__]
-
-
-METHODS: dict[str, Method] = {}  # --method's choices, each registered where it is defined
-
-
-def register_method(description: str, **needs) -> Callable:
-    """Registers the token-terms function it decorates under its own name, with what it needs of
-    the loop (Method's fields), as verl's register_policy_loss does."""
-
-    def register(token_terms: Callable) -> Callable:
-        METHODS[token_terms.__name__] = Method(token_terms, description, **needs)
-        return token_terms
-
-    return register
 
 
 @register_method("GRPO baseline, every token weight 1")
@@ -668,10 +432,7 @@ def cw_weights(logp, adv, mask, *, norm: str = "padded", detach: bool = False) -
     score_mean = score.sum() / n_valid
     variance = ((score - score_mean) ** 2 * mask).sum() / n_valid  # 4. ddof=0
     # sqrt'(0) is infinite: where every score is 0 (equal rewards), sigma is 1e-8 with no gradient
-    if variance > 0:
-        sigma = variance.sqrt() + 1e-8
-    else:
-        sigma = torch.full_like(variance, 1e-8)
+    sigma = variance.sqrt() + 1e-8 if variance > 0 else torch.full_like(variance, 1e-8)
     kernel = torch.exp(-(score**2) / (2 * sigma**2)) * mask  # 5. (G, T)
     if norm == "padded":  # 6. released code
         total = mask.shape[0] * mask.sum(1).max()
@@ -804,20 +565,19 @@ def stapo(group: Group, cfg: Config) -> TokenTerms:
 
 
 def method_terms(tokens: Group, cfg: Config) -> TokenTerms:
-    """The --method's token terms of a micro-batch's tokens, group by group (each method reads one
-    group of G responses), side by side."""
+    """The --method's token terms of a micro-batch, group by group, side by side."""
     method = METHODS[cfg.method].token_terms
-    return TokenTerms.joined([method(group, cfg) for group in tokens.groups(cfg.group_size)])
+    per_group = [method(group, cfg) for group in tokens.groups(cfg.group_size)]
+    # each field of the groups' terms concatenated, (rows, T); None where the method sets none
+    return TokenTerms(*(None if part[0] is None else torch.cat(part) for part in zip(*per_group)))
 
 
 @torch.no_grad()
 def every_methods_weights(model, rows: Batch, cfg: Config, passes: Passes) -> dict:
-    """What every method's every update pass makes of the same rows, side by side (the run's
-    tokens.html shows its first group's): (method, pass) -> (w x active, tokens touched), each
-    token's log-prob and its covariance score (cw step 3); each (rows, T)."""
+    """Every method's every pass on the same rows, the policy as rollout policy (tokens.html):
+    (method, pass) -> (w x active, tokens touched), "logp" and cw's "score"; each (rows, T)."""
     stats = token_stats(model, rows, cfg, passes, divergence=True)
     mask = rows.completion_mask
-    entropies = stats.entropy[mask.bool()].sort().values
     out = {"logp": stats.logp, "score": covariance_score(stats.logp, rows.advantages, mask)}
     for name, method in METHODS.items():
         for update_pass in range(method.update_passes):
@@ -827,7 +587,7 @@ def every_methods_weights(model, rows: Batch, cfg: Config, passes: Passes) -> di
                 advantages=rows.advantages,
                 mask=mask,
                 entropy=stats.entropy,
-                batch_entropy=entropies,
+                batch_entropy=stats.entropy[mask.bool()].sort().values,
                 divergence=stats.divergence,
                 update_pass=update_pass,
             )
@@ -844,10 +604,9 @@ def k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 
 def sampler_correction(old_logp, sampler_logp, mask, cfg: Config) -> torch.Tensor | None:
-    """The sampler correction r (math.md, "Sampler-trainer mismatch"), as TRL's: exp(l - s) per
-    token, or per sequence summed in log space (a long sum neither overflows nor gives 0 x inf);
-    truncate: min(r, r_max); mask: r, but 0 outside [r_min, r_max]. None: none, the released
-    recipe."""
+    """The sampler correction r (math.md, "Sampler-trainer mismatch"), TRL's: exp(l - s) a token,
+    or a sequence's summed in log space; truncate: min(r, r_max); mask: 0 outside [r_min, r_max].
+    None: none, the released recipe."""
     if cfg.sampler_correction == "none":
         return None
     log_r = (old_logp - sampler_logp) * mask  # (N, T)
@@ -860,31 +619,12 @@ def sampler_correction(old_logp, sampler_logp, mask, cfg: Config) -> torch.Tenso
     return correction * (inside & (correction >= cfg.sampler_correction_min))
 
 
-class LossParts(NamedTuple):
-    """A micro-batch's loss per token, and what of it the metrics read; each (rows, T)."""
-
-    per_token: torch.Tensor  # w pg r + extra + beta k3, times active
-    terms: TokenTerms  # the method's
-    tokens: Group  # what the loss read: log-probs, the rollout policy's, its entropies, the mask
-    kl: torch.Tensor | None  # k3, without gradient; None without a reference (beta 0)
-    clipped: torch.Tensor  # tokens whose PG term PPO's clip holds constant
-
-
-def policy_loss(
-    tokens: Group,
-    terms: TokenTerms,
-    cfg: Config,
-    sampler_logp: torch.Tensor,
-    ref_logp: torch.Tensor | None,
-    n_responses: int,
-    n_tokens: int,
-):
-    """The loss of a micro-batch of whole groups, in docs/math.md's symbols ("Loss"): per token
-    w * max(-rho A, -clip(rho, 1 - eps_low, 1 + eps_high) A) * r + beta * k3, w the method's
-    weight (terms, section 5), rho = pi / pi_old, A the response's advantage, r the sampler
-    correction; averaged over each response's tokens, then over the step's n_responses (GRPO's),
-    or over the step's n_tokens (DAPO's token-mean). Divided by the step's totals, the
-    micro-batches' losses and gradients add up to the step's. Returns the loss and its LossParts."""
+def policy_loss(tokens: Group, terms, cfg: Config, sampler_logp, ref_logp, n_responses, n_tokens):
+    """A micro-batch's loss, in math.md's symbols ("Loss"): per token w max(-rho A, -clip(rho, 1 -
+    eps_low, 1 + eps_high) A) r + beta k3, w the method's weight, rho = pi / pi_old, r the sampler
+    correction; averaged over each response's tokens, then over the step's n_responses (GRPO), or
+    over its n_tokens (DAPO), so the micro-batches' gradients add up to the step's. The loss, and
+    the parts the metrics read."""
     mask = tokens.mask  # (rows, T)
     correction = sampler_correction(tokens.old_logp, sampler_logp, mask, cfg)  # (rows, T or 1)
     ratio = torch.exp(tokens.logp - tokens.old_logp)  # rho: exactly 1 with one update per batch
@@ -908,15 +648,14 @@ def policy_loss(
         loss = (per_token * mask).sum() / n_tokens
     clipped = ppo_clipped(ratio.detach(), tokens.advantages, cfg) & clip
     kl = None if kl is None else kl.detach()
-    return loss, LossParts(per_token, terms, tokens, kl=kl, clipped=clipped)
+    return loss, metrics.LossParts(per_token, terms, tokens, kl=kl, clipped=clipped)
 
 
 # 7. The optimizer ---------------------------------------------------------------------------------
 def optimizer_and_schedule(trained: list, cfg: Config, updates: int):
-    """AdamW over what is trained (all the weights, or LoRA's adapter), fused: one kernel, no
-    foreach temporaries (on a CPU 6x faster, 0.11 s against 0.68 s a SmolLM2 step:
-    docs/performance.md). Its learning rate warms up linearly, then decays along a cosine to
-    min_lr_ratio x its peak, over the run's steps x `updates` optimizer steps a rollout batch."""
+    """AdamW over what is trained (the weights, or LoRA's adapter), fused (a CPU's SmolLM2 step 6x
+    faster: docs/performance.md); its learning rate warms up linearly, then follows a cosine to
+    min_lr_ratio x the peak, over steps x `updates` optimizer steps a rollout batch."""
     optimizer = torch.optim.AdamW(
         trained, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, fused=True
     )
@@ -930,10 +669,9 @@ def optimizer_and_schedule(trained: list, cfg: Config, updates: int):
 
 
 def optimizer_step(trained: list, optimizer, scheduler, scaler, max_grad_norm: float):
-    """The step's gradient applied: its norm clipped to max_grad_norm (under fp16, unscaled
-    first), then AdamW and the schedule's next learning rate; unless the norm is not finite (fp16's
-    overflow, or a NaN): then no weight, AdamW moment or learning rate changes, and under fp16 the
-    loss scale halves. Returns the norm, the learning rate the step used, and whether it ran."""
+    """The gradient's norm clipped to max_grad_norm (fp16's unscaled first), then AdamW and the
+    next learning rate; unless the norm is not finite (fp16's overflow, a NaN): then nothing
+    changes but fp16's loss scale, halved. The norm, the learning rate used, whether it ran."""
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(trained, max_grad_norm)
     lr = scheduler.get_last_lr()[0]
@@ -947,10 +685,10 @@ def optimizer_step(trained: list, optimizer, scheduler, scaler, max_grad_norm: f
 
 
 # The training loop --------------------------------------------------------------------------------
-def training_loop(cfg, run_cfg, model, reference, tokenizer, prompts, grader, engine, run: Run):
-    """The paper's algorithm, rollout step after rollout step, each step's phases in the order
-    they run, numbered as the sections that define them; the run keeps the records, checkpoints
-    and pictures."""
+def training_loop(cfg: Config, run_cfg: RunConfig, loaded: Loaded, grader, run: Run):
+    """The paper's algorithm, step after step, each phase numbered as the section that defines it;
+    the run keeps the records, checkpoints and pictures."""
+    model, reference, tokenizer, prompts, engine = loaded  # run.load()'s
     method = METHODS[cfg.method]
     updates = cfg.num_iterations * method.update_passes  # optimizer steps per rollout batch
     trained = [p for p in model.parameters() if p.requires_grad]
@@ -962,40 +700,33 @@ def training_loop(cfg, run_cfg, model, reference, tokenizer, prompts, grader, en
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
     autocast = run.precision.autocast  # bf16 or fp16 compute over fp32 weights; fp32: none
-    passes = Passes.of(cfg, run_cfg)  # how the log-prob passes compute: micro-batches, memory
-    # the update reads the rollout policy's own log-probs where it can differ from the policy
-    # being trained (more than one update a batch) or the method reads them before the update
+    passes = Passes.of(cfg, run_cfg)  # how the passes compute: micro-batches, chunks, memory
+    # the rollout policy's log-probs, where they can differ from the policy's or a method reads them
     rollout_policy = cfg.num_iterations > 1 or method.needs_stats
     for rollout_step in range(start + 1, cfg.steps + 1):
         questions = prompts.next_batch(cfg.prompts_per_step)  # (prompt ids, gold) pairs
+        prompt_ids = [ids for ids, _ in questions]
         golds = [gold for _, gold in questions for _ in range(cfg.group_size)]  # (N,)
         with autocast():
             # 1. Sample G completions of each of the step's prompts
             with run.phase("sampling", rollout_step):
-                samples = sample(
-                    model,
-                    tokenizer,
-                    [ids for ids, _ in questions],
-                    cfg,
-                    chunk=run_cfg.rollout_chunk,
-                    share=run_cfg.share_prompts,
-                    engine=engine,
-                )
+                samples = sample(model, tokenizer, prompt_ids, cfg, passes=passes, engine=engine)
             # 2. Grade them, in worker processes that go on while the passes below run
             grading = grader.submit([(t, gold, "default") for t, gold in zip(samples.texts, golds)])
             # 3. Their log-probs without gradient, under the rollout policy where the update
             # reads them, and under the reference for the KL
             with run.phase("the log-prob passes", rollout_step):
                 old = None
-                if rollout_policy:
+                if rollout_policy:  # with ict's divergence in the same pass
                     divergence = method.needs_divergence
                     old = token_stats(model, samples, cfg, passes, divergence=divergence)
                 ref_logp = None
                 if cfg.beta > 0:
                     ref_logp = reference_logprobs(model, reference, samples, cfg, passes)
-            # 2. Their rewards, once graded; 4. each response's advantage within its group
+            # 2. Their rewards, once graded
             grades = grading.result()
             rewards = rewards_of(samples.texts, grades, cfg)
+            # 4. Each response's advantage within its group
             advantages = group_advantages(rewards.total, cfg.group_size)
         batch = Batch.of(samples, rewards, advantages, old=old, ref_logp=ref_logp)
         rollout_figures = metrics.rollout_metrics(samples, rewards, grades, cfg.group_size)
@@ -1037,49 +768,30 @@ def training_loop(cfg, run_cfg, model, reference, tokenizer, prompts, grader, en
                 grad_norm, lr, finite = optimizer_step(
                     trained, optimizer, scheduler, scaler=scaler, max_grad_norm=cfg.max_grad_norm
                 )
-            update_figures = metrics.update_metrics(
+            figures = metrics.update_metrics(
                 token_values, loss_sum, grad_norm=grad_norm.item(), lr=lr
             )
-            run.log_update(
-                step, rollout_step, update_pass, rollout_figures | update_figures, finite
-            )
+            run.log_update(step, rollout_step, update_pass, rollout_figures | figures, finite)
         run.end_step(rollout_step, model, tokenizer)  # progress; a checkpoint every --save-every
     run.finish(model, tokenizer)  # the final model, LoRA's merged
 
 
 def main(cfg: Config, run_cfg: RunConfig, on_rollout: Callable | None = None) -> Path | None:
-    """python cwgrpo.py: the run made ready, what it trains loaded, the training loop, what it
-    did; --plan: its memory and disk instead. on_rollout(rollout_step, model, batch, autocast), a
-    hook for tools/diagnose.py, sees each scored batch before its update."""
+    """python cwgrpo.py (--plan: its memory and disk instead). on_rollout(rollout_step, model,
+    batch, autocast), tools/diagnose.py's hook, sees each scored batch before its update."""
     if run_cfg.plan:  # before anything loads
         print(Run.plan(cfg, run_cfg))
         return None
-    # the folder locked, Ctrl-C a stop after the step, the device, precision and threads set, the
-    # model and its fit on the GPU checked: one line and an exit for whatever is wrong
+    # locked, Ctrl-C a stop after the step, device, precision, threads, the model's fit checked
     with Run(cfg, run_cfg) as run:
         if run.finished():
             return run.path
-        with Grader(
-            grade_accuracy,
-            on_timeout=TIMED_OUT,
-            timeout_s=cfg.reward_timeout_s,
-            workers=run_cfg.reward_workers,
-        ) as grader:
+        with run.grader(grade_accuracy, on_timeout=TIMED_OUT) as grader:  # section 2's processes
             run.start(grader)  # run_config.json; on resume, the records after its checkpoint go
-            model, reference, tokenizer, prompts, engine = run.load()
-            passes = Passes.of(run.cfg, run_cfg)
-            run.show_tokens(tokenizer, METHODS, every_methods_weights, passes, hook=on_rollout)
-            training_loop(
-                run.cfg,
-                run_cfg,
-                model,
-                reference,
-                tokenizer=tokenizer,
-                prompts=prompts,
-                grader=grader,
-                engine=engine,
-                run=run,
-            )
+            loaded = run.load()  # the policy, the reference, the tokenizer, prompts, vLLM engine
+            # tokens.html: every method's weights on the same tokens; and a tool's hook
+            run.show_tokens(loaded.tokenizer, METHODS, every_methods_weights, hook=on_rollout)
+            training_loop(run.cfg, run_cfg, loaded, grader=grader, run=run)
     print(run.summary())
     return run.path
 

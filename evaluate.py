@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from cwgrpo_utils import EVALUATION_TEMPERATURE, PRECISIONS
-from cwgrpo_utils.cli import arg, check, check_ranges, parse_dataclasses, require
+from cwgrpo_utils.options.cli import arg, check, check_ranges, parse_dataclasses, require
 
 BENCHMARK_NAMES = ("aime24", "math500", "amc23", "minerva", "olympiadbench")
 # docs/math.md, "Evaluation": user prompt, no system prompt
@@ -102,14 +102,16 @@ from sympy import Basic, Rational, UnevaluatedExpr
 from tqdm import tqdm
 
 import cwgrpo
-from cwgrpo_utils import loading, plots, preset_models, threads
-from cwgrpo_utils.checkpoints import checkpoint_step
-from cwgrpo_utils.cli import command
-from cwgrpo_utils.grading_pool import Grader, LogCounter
-from cwgrpo_utils.precision import Precision
-from cwgrpo_utils.prompts import chat_prompt_ids
-from cwgrpo_utils.run_folder import StopRequest
-from cwgrpo_utils.vllm_engine import Engine
+from cwgrpo_utils.machine import threads
+from cwgrpo_utils.machine.grading_pool import Grader, LogCounter
+from cwgrpo_utils.machine.precision import Precision
+from cwgrpo_utils.machine.vllm_engine import Engine
+from cwgrpo_utils.models import loading, preset_models
+from cwgrpo_utils.models.prompts import chat_prompt_ids
+from cwgrpo_utils.options.cli import command
+from cwgrpo_utils.run import plots
+from cwgrpo_utils.run.checkpoints import checkpoint_step
+from cwgrpo_utils.run.folder import StopRequest
 
 
 class Benchmark(NamedTuple):
@@ -220,12 +222,12 @@ def percent_valued(parsed: list) -> list:
     return [p.xreplace({PERCENT: Rational(1, 100)}) if isinstance(p, Basic) else p for p in parsed]
 
 
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k of n samples with c correct (docs/math.md):
-    1 - prod(1 - k / arange(n - c + 1, n + 1))."""
-    if n - c < k:
+def pass_at_k(n: int, n_correct: int, k: int) -> float:
+    """Unbiased pass@k of n samples with n_correct right (docs/math.md):
+    1 - prod(1 - k / arange(n - n_correct + 1, n + 1))."""
+    if n - n_correct < k:
         return 1.0
-    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - n_correct + 1, n + 1))
 
 
 def load_benchmark(name: str, cfg: EvalConfig) -> tuple[str, Benchmark, list[tuple[str, str]]]:
@@ -442,7 +444,9 @@ def summarise(problems: list[dict], n: int) -> dict:
     return {
         "pass@1": per_sample.mean().item(),
         "pass@1_std_over_samples": per_sample.std().item() if n > 1 else 0.0,
-        "pass@k": {k: 100 * sum(pass_at_k(n, c, k) for c in counts) / len(counts) for k in ks},
+        "pass@k": {
+            k: 100 * sum(pass_at_k(n, right, k) for right in counts) / len(counts) for k in ks
+        },
         "problems": len(problems),
         "samples_per_problem": n,
         "correct_samples": int(correct.sum()),

@@ -20,12 +20,15 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import cwgrpo
 from cwgrpo import TIMED_OUT, cw_weights, format_reward, grade_accuracy, group_advantages
-from cwgrpo_utils import checkpoints, loading, presets, tiny
-from cwgrpo_utils.grading_pool import Grader, LogCounter
-from cwgrpo_utils.lm_head import chunked_logprobs
-from cwgrpo_utils.metrics import token_values, update_metrics
-from cwgrpo_utils.precision import Precision, SkippedSteps
-from cwgrpo_utils.prompts import PromptStream, chat_prompt_ids
+from cwgrpo_utils.fast.lm_head import chunked_logprobs
+from cwgrpo_utils.machine.grading_pool import Grader, LogCounter
+from cwgrpo_utils.machine.precision import Precision, SkippedSteps
+from cwgrpo_utils.models import loading, tiny
+from cwgrpo_utils.models.prompts import PromptStream, chat_prompt_ids
+from cwgrpo_utils.options import presets
+from cwgrpo_utils.options.config import Method
+from cwgrpo_utils.run import checkpoints
+from cwgrpo_utils.run.metrics import token_values, update_metrics
 from tests.support import ROOT, SMALL_SHAPE
 from tools.diagnose import step_gradient
 
@@ -286,7 +289,7 @@ def test_rollout_logprobs_match_unpadded_forward(tiny_model, path):
     batch = [(chat_prompt_ids(tokenizer, q, ""), "\\boxed{1}") for q in ["1+2", "12+30"]]
     torch.manual_seed(0)
     prompts = [ids for ids, _ in batch]
-    rollout = cwgrpo.sample(model, tokenizer, prompts, cfg, share=run_cfg.share_prompts)
+    rollout = cwgrpo.sample(model, tokenizer, prompts, cfg, cwgrpo.Passes.of(cfg, run_cfg))
     assert rollout.prompt_ids.shape[0] == 2 * cfg.group_size
     passes = cwgrpo.Passes.of(cfg, run_cfg)  # the default: shared prompts, a chunked LM head
     if path == "plain":
@@ -336,7 +339,7 @@ def test_gradient_does_not_depend_on_micro_batching(tiny_model, method):
         )
         torch.manual_seed(0)
         prompts = [ids for ids, _ in batch]
-        samples = cwgrpo.sample(model, tokenizer, prompts, cfg, share=run_cfg.share_prompts)
+        samples = cwgrpo.sample(model, tokenizer, prompts, cfg, cwgrpo.Passes.of(cfg, run_cfg))
         advantages = torch.randn(len(samples.texts), generator=torch.Generator().manual_seed(1))
         model.zero_grad()  # the step's gradient, micro-batch by micro-batch as the run takes it
         passes = cwgrpo.Passes.of(cfg, run_cfg)
@@ -675,7 +678,7 @@ def given_weights(monkeypatch):
     loss is under test, not a method."""
 
     def method(weight, clip=True) -> str:
-        given = cwgrpo.Method(lambda group, cfg: cwgrpo.TokenTerms(weight), "given", clip=clip)
+        given = Method(lambda group, cfg: cwgrpo.TokenTerms(weight), "given", clip=clip)
         monkeypatch.setitem(cwgrpo.METHODS, "given", given)
         return "given"
 
@@ -1108,7 +1111,7 @@ def test_the_logged_mismatch_is_the_sampler_against_the_trainer(tiny_base):
     prompts = PromptStream(tiny.arithmetic_dataset(0), tokenizer, cfg)
     torch.manual_seed(0)
     questions = [ids for ids, _ in prompts.next_batch(2)]
-    samples = cwgrpo.sample(model, tokenizer, questions, cfg, share=run_cfg.share_prompts)
+    samples = cwgrpo.sample(model, tokenizer, questions, cfg, cwgrpo.Passes.of(cfg, run_cfg))
     grades = [cwgrpo.Grade(float(i % 2), True, False) for i in range(len(samples.texts))]
     rewards = cwgrpo.rewards_of(samples.texts, grades, cfg)
     advantages = cwgrpo.group_advantages(rewards.total, cfg.group_size)
@@ -1209,7 +1212,7 @@ def test_under_fp16_the_log_probs_ratios_k3_and_weights_are_fp32(tiny_model):
     batch = [(chat_prompt_ids(tokenizer, "1+2", ""), "\\boxed{3}")]
     with Precision.choose("fp16", CPU).autocast():
         prompts = [ids for ids, _ in batch]
-        samples = cwgrpo.sample(model, tokenizer, prompts, cfg, share=run_cfg.share_prompts)
+        samples = cwgrpo.sample(model, tokenizer, prompts, cfg, cwgrpo.Passes.of(cfg, run_cfg))
         rollout = batch_of(samples, torch.randn(8), ref_logp=torch.zeros_like(samples.sampler_logp))
         default = cwgrpo.Passes.of(cfg, run_cfg)
         plain = default._replace(share_prompts=False, logit_chunk_elements=0)

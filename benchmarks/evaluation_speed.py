@@ -21,8 +21,9 @@ import time
 from pathlib import Path
 
 from benchmarks.shared_prompts import cpu_name
-from cwgrpo_utils import REPOSITORY, presets
-from cwgrpo_utils.cli import require
+from cwgrpo_utils import REPOSITORY
+from cwgrpo_utils.options import presets
+from cwgrpo_utils.options.cli import require
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the preset's, built from its GGUF where needed
 GOAL = 2.0  # hf / vllm

@@ -10,17 +10,17 @@ show.
         --rollout-chunk 4   # paper-1.5b-lora-16gb's shapes (the T4 preset), in fp16
 
 A randomly initialised model of R1-Distill-Qwen-1.5B's exact architecture (its config.json from
-cwgrpo_utils/model_configs/: the full vocabulary, 28 layers), the paper's batch (12 prompts x G =
-12) with prompts of up to 128 random tokens and --new-tokens new ones (512), beta 0.04 with a
+cwgrpo_utils/models/model_configs/: the full vocabulary, 28 layers), the paper's batch (12 prompts
+x G = 12) with prompts of up to 128 random tokens and --new-tokens new ones (512), beta 0.04 with a
 half-precision reference, --steps steps through cwgrpo's own sampling, log-prob passes and update
 (phases 1-7 of cwgrpo.training_loop, with random rewards). Random weights never emit EOS, so every
-row runs to the limit: the KV cache at its largest. For each precision (bf16 and fp16 on a card
-of compute capability 8.0 or more, fp16 on 7.x; --precisions to choose), it prints decode and
-update tokens/s, the loss scale's path and the steps skipped as not finite (fp16's scaler), the
-sampler-trainer mismatch of section 1's loop (mean and max |l - s|), the peak memory allocated
-(and reserved) beside the plan's (cwgrpo_utils/memory_plan.py), the KV cache's dtype, the KL at
-step 0, and whether every logit after a left-padded prefill is finite, with cwgrpo's attention
-mask and with the plain one. Where vLLM is installed, first the same batch by --rollout vllm in the
+row runs to the limit: the KV cache at its largest. For each precision (bf16 and fp16 on a card of
+compute capability 8.0 or more, fp16 on 7.x; --precisions to choose), it prints decode and update
+tokens/s, the loss scale's path and the steps skipped as not finite (fp16's scaler), the
+sampler-trainer mismatch of section 1's loop (mean and max |l - s|), the peak memory allocated (and
+reserved) beside the plan's (cwgrpo_utils/machine/memory_plan.py), the KV cache's dtype, the KL at
+step 0, and whether every logit after a left-padded prefill is finite, with cwgrpo's attention mask
+and with the plain one. Where vLLM is installed, first the same batch by --rollout vllm in the
 engine's dtype for that precision: its start, its decode tokens/s, the weight push, the GPU memory
 it frees asleep, the share of greedy tokens equal to the loop's, and its mismatch; the engine then
 sleeps beside the steps, as in a run, so an update that ran into a cap of the engine's would show.
@@ -39,12 +39,13 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import cwgrpo
-from cwgrpo_utils import loading, lora, memory_plan, tiny
-from cwgrpo_utils.cli import OPTIONAL
-from cwgrpo_utils.metrics import token_values as token_values_of
-from cwgrpo_utils.metrics import update_metrics
-from cwgrpo_utils.precision import Precision
-from cwgrpo_utils.vllm_engine import Engine
+from cwgrpo_utils.machine import memory_plan
+from cwgrpo_utils.machine.precision import Precision
+from cwgrpo_utils.machine.vllm_engine import Engine
+from cwgrpo_utils.models import loading, lora, tiny
+from cwgrpo_utils.options.cli import OPTIONAL
+from cwgrpo_utils.run.metrics import token_values as token_values_of
+from cwgrpo_utils.run.metrics import update_metrics
 from tools import diagnose
 
 PAPER_CONFIG = memory_plan.SHIPPED_CONFIGS / "deepseek-ai--DeepSeek-R1-Distill-Qwen-1.5B.json"
@@ -82,15 +83,8 @@ def mismatch(model, samples, cfg, passes) -> torch.Tensor:
 
 def sampled(model, tokenizer, batch, cfg, run_cfg, engine=None) -> cwgrpo.Samples:
     """The batch's (prompt ids, gold) pairs sampled as the run's loop samples them."""
-    return cwgrpo.sample(
-        model,
-        tokenizer,
-        [ids for ids, _ in batch],
-        cfg,
-        chunk=run_cfg.rollout_chunk,
-        share=run_cfg.share_prompts,
-        engine=engine,
-    )
+    passes = cwgrpo.Passes.of(cfg, run_cfg)
+    return cwgrpo.sample(model, tokenizer, [ids for ids, _ in batch], cfg, passes, engine=engine)
 
 
 def finite_after_left_padded_prefill(model, autocast) -> dict:
@@ -199,10 +193,10 @@ def check(config: dict, cfg, run_cfg, precision, steps: int, longest: int) -> No
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     decode_speeds, scales, skipped = [], [], 0
-    for step in range(steps):
+    for rollout_step in range(steps):
         start = time.perf_counter()
         with precision.autocast():
-            batch = prompts(cfg.prompts_per_step, longest, 256, step)
+            batch = prompts(cfg.prompts_per_step, longest, 256, rollout_step)
             samples = sampled(model, tokenizer, batch, cfg, run_cfg)
             generated = int(samples.completion_mask.sum())
             decode_s = time.perf_counter() - start
@@ -210,7 +204,7 @@ def check(config: dict, cfg, run_cfg, precision, steps: int, longest: int) -> No
             ref_logp = cwgrpo.reference_logprobs(model, reference, samples, cfg, passes)
             diff = mismatch(model, samples, cfg, passes)
         random_rewards = torch.rand(
-            len(samples.texts), generator=torch.Generator().manual_seed(step)
+            len(samples.texts), generator=torch.Generator().manual_seed(rollout_step)
         )
         rewards = cwgrpo.Rewards(random_rewards, accuracy=random_rewards, format=random_rewards)
         advantages = cwgrpo.group_advantages(rewards.total, cfg.group_size)
@@ -231,9 +225,9 @@ def check(config: dict, cfg, run_cfg, precision, steps: int, longest: int) -> No
         update_s = time.perf_counter() - start
         tokens = int(samples.prompt_mask.sum()) + generated
         print(
-            f"  step {step + 1}: decode {generated / decode_s:,.0f} tokens/s ({generated:,} "
-            f"tokens, {decode_s:.1f} s); update {tokens / update_s:,.0f} tokens/s ({tokens:,} "
-            f"tokens, {update_s:.1f} s); kl {metrics['kl_mean']:.3g}; grad norm "
+            f"  step {rollout_step + 1}: decode {generated / decode_s:,.0f} tokens/s "
+            f"({generated:,} tokens, {decode_s:.1f} s); update {tokens / update_s:,.0f} tokens/s "
+            f"({tokens:,} tokens, {update_s:.1f} s); kl {metrics['kl_mean']:.3g}; grad norm "
             f"{metrics['grad_norm']:.3g}; |trainer - sampler log-prob| mean {diff.mean():.2e}, "
             f"max {diff.max():.2e}"
         )

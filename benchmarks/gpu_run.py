@@ -21,7 +21,7 @@ failing on the defect it guards against):
    attention mask, under the memory-efficient SDPA kernel (the one a T4 gets).
 4. update_peak: the trainer's update at the paper's batch (12 prompts of 128 tokens x G = 12
    completions of 512) in the card's precision: the memory its passes add, measured, against the
-   plan's figure for them (cwgrpo_utils/memory_plan.py), within TOLERANCE.
+   plan's figure for them (cwgrpo_utils/machine/memory_plan.py), within TOLERANCE.
 5. grading_after_cuda: the grading pool forked after CUDA holds 20 GB, graded under a time limit.
 6. run_resumed_<precision>: `--preset tiny-chain` for 100 steps in each precision the card has
    (bf16 and fp16 on an H100), killed (SIGKILL) after step 50 and resumed, its records equal to an
@@ -52,11 +52,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import cwgrpo
 from benchmarks.gpu_check import PAPER_CONFIG, TINY_CONFIG, card_precisions, prompts, random_model
-from cwgrpo_utils import REPOSITORY, loading, lora, memory_plan, presets, tiny
-from cwgrpo_utils.grading_pool import Grader
-from cwgrpo_utils.memory_plan import Architecture
-from cwgrpo_utils.precision import Precision
-from cwgrpo_utils.run_folder import read_records
+from cwgrpo_utils import REPOSITORY
+from cwgrpo_utils.machine import memory_plan
+from cwgrpo_utils.machine.grading_pool import Grader
+from cwgrpo_utils.machine.memory_plan import Architecture
+from cwgrpo_utils.machine.precision import Precision
+from cwgrpo_utils.models import loading, lora, tiny
+from cwgrpo_utils.options import presets
+from cwgrpo_utils.run.folder import read_records
 from tools import diagnose
 
 GB = 1e9
@@ -359,9 +362,9 @@ def run_resumed(
             capture_output=True, text=True,
         )  # fmt: skip
         results = folder / "eval" / "results.json"
-        score = json.loads(results.read_text())["average_pass@1"] if results.exists() else None
-        out["passed"] &= score is not None
-        out["held_out_pass@1"] = score
+        pass_at_1 = json.loads(results.read_text())["average_pass@1"] if results.exists() else None
+        out["passed"] &= pass_at_1 is not None
+        out["held_out_pass@1"] = pass_at_1
         out["errors"] += [evaluated.stderr[-500:]] if "Traceback" in evaluated.stderr else []
     return out
 

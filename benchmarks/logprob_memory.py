@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from cwgrpo_utils.lm_head import chunked_logprobs
-from cwgrpo_utils.run_config import RunConfig
+from cwgrpo_utils.fast.lm_head import chunked_logprobs
+from cwgrpo_utils.options.run_config import RunConfig
 
 
 def peak_rss_mib() -> float:

@@ -18,7 +18,7 @@ import time
 import torch
 
 import cwgrpo
-from cwgrpo_utils.lm_head import chunked_logprobs, ict_divergence
+from cwgrpo_utils.fast.lm_head import chunked_logprobs, ict_divergence
 
 
 def timed(fn, repeats: int) -> float:

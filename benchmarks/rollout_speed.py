@@ -21,10 +21,10 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import cwgrpo
-from cwgrpo_utils import loading, tiny
-from cwgrpo_utils.cli import require
-from cwgrpo_utils.prompts import chat_prompt_ids
-from cwgrpo_utils.vllm_engine import Engine
+from cwgrpo_utils.machine.vllm_engine import Engine
+from cwgrpo_utils.models import loading, tiny
+from cwgrpo_utils.models.prompts import chat_prompt_ids
+from cwgrpo_utils.options.cli import require
 
 CPU = torch.device("cpu")
 

@@ -36,12 +36,12 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import cwgrpo
-from cwgrpo_utils import tiny
-from cwgrpo_utils.presets import BASES
-from cwgrpo_utils.run import Run
+from cwgrpo_utils.machine import memory_plan
+from cwgrpo_utils.models import tiny
+from cwgrpo_utils.options.presets import BASES
+from cwgrpo_utils.run.run import Run
 
-PAPER_CONFIG = Path(cwgrpo.__file__).parent / "cwgrpo_utils" / "model_configs"
-PAPER_CONFIG = PAPER_CONFIG / "deepseek-ai--DeepSeek-R1-Distill-Qwen-1.5B.json"
+PAPER_CONFIG = memory_plan.SHIPPED_CONFIGS / "deepseek-ai--DeepSeek-R1-Distill-Qwen-1.5B.json"
 CASES = {
     "tiny": ["--preset", "tiny", "--steps", "8"],
     "smollm2-sums": ["--preset", "smollm2-sums", "--rollout", "hf", "--steps", "6"],

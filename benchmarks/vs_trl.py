@@ -34,9 +34,9 @@ import datasets
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 import cwgrpo
-from cwgrpo_utils import tiny
-from cwgrpo_utils.cli import require
-from cwgrpo_utils.grading_pool import Grader
+from cwgrpo_utils.machine.grading_pool import Grader
+from cwgrpo_utils.models import tiny
+from cwgrpo_utils.options.cli import require
 
 ROOT = Path(__file__).resolve().parent.parent
 

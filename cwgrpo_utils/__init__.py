@@ -1,30 +1,16 @@
-"""cwgrpo_utils: what cwgrpo.py and evaluate.py call for everything that is not the algorithm.
+"""cwgrpo_utils: what cwgrpo.py and evaluate.py call for everything that is not a training step's
+algorithm. Each module knows nothing of cwgrpo and never imports it (as cleanRL keeps
+cleanrl_utils/), in a room named for what it holds:
 
-Each module knows nothing of cwgrpo and never imports it (as cleanRL keeps cleanrl_utils/):
-
-- cli: command lines as dataclasses, each option's range beside its field
-- run_config: the run's options (RunConfig), beside the algorithm's Config in cwgrpo.py
-- run: a run's machinery around the training loop: header, resume, records, checkpoints, summary
-- run_folder: a run's output folder (lock, stop signals, resume policy, metrics.jsonl, progress)
-- checkpoints: checkpoints written atomically, the RNG states they hold, the resume command
-- trackers: TensorBoard, W&B and trackio, each optional
-- loading: models, tokenizers, data and the device, every failure one line
-- lora: LoRA through PEFT, its reference and its merged weights
-- precision: bf16, fp16 or fp32 by the card, the loss scaler, the skipped steps
-- memory_plan: the GPU memory and disk a run needs, before anything loads
-- batch: a rollout batch's rows, selected, joined and cut in micro-batches
-- prompts: the prompts a run trains on, in a seeded order
-- grading_pool: processes that grade under a hard time limit
-- fast_logprobs: the fast drop-in for cwgrpo.py's log-probs, built on
-  - shared_prompt: each group's prompt encoded once
-  - lm_head: log-probs and entropies through the LM head, chunked over positions
-- metrics: what metrics.jsonl records of a step
-- plots, token_page: what a run draws: its curves, the ablation's, tokens.html
-- vllm_engine: the optional vLLM sampler
-- presets: the CPU presets' options, tasks and held-out sets, in one place
-- preset_models: the CPU presets' models made ready on first use, by
-  - tiny: the tiny presets' models and tasks, built here
-  - smollm2: the real-model presets' tasks, and their model built from a GGUF where the hub is off
+- options/: the command lines, read before torch: the algorithm's Config (config.py), the run's
+  RunConfig (run_config.py), the presets, and dataclasses as command lines (cli.py)
+- run/: a training run's machinery around the loop: Run (run.py), its folder, records and resume
+  (folder.py), checkpoints, metrics, trackers, pictures (plots.py, token_page.py)
+- machine/: what a run computes on: precision, CPU threads, the GPU memory plan, the vLLM
+  sampler, the grading processes
+- fast/: section 3's fast paths: each group's prompt once, the LM head in chunks
+- models/: models and what they read: loading, LoRA, the CPU presets' models and tasks, the
+  prompts a run trains on, a batch's rows
 
 This file holds the constants read before torch is imported: the clone's root, the precisions,
 the evaluation's temperature, Open-RS's system prompt.

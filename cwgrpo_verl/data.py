@@ -5,8 +5,9 @@ any problem/solution data) as verl's RL parquet (python -m cwgrpo_verl)."""
 from pathlib import Path
 
 import cwgrpo
-from cwgrpo_utils import OPEN_RS_SYSTEM_PROMPT, loading
-from cwgrpo_utils.grading_pool import Grader
+from cwgrpo_utils import OPEN_RS_SYSTEM_PROMPT
+from cwgrpo_utils.machine.grading_pool import Grader
+from cwgrpo_utils.models import loading
 
 _grader = None
 

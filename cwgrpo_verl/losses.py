@@ -7,7 +7,7 @@ import torch
 from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 
 import cwgrpo
-from cwgrpo_utils.metrics import touched_tokens
+from cwgrpo_utils.run.metrics import touched_tokens
 
 VERL_METHODS = {  # verl name -> (cwgrpo method, Config overrides)
     "cw": ("cw", {}),

@@ -41,13 +41,13 @@ def verl_config(**policy_loss):
     )
 
 
-def tensors(seed: int, rows: int = 6, length: int = 40):
+def tensors(seed: int, n_rows: int = 6, length: int = 40):
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, length + 1, (rows,), generator=g)
+    lengths = torch.randint(1, length + 1, (n_rows,), generator=g)
     mask = (torch.arange(length)[None] < lengths[:, None]).float()
-    old = -torch.rand(rows, length, generator=g) * 4 * mask
-    logp = (old + 0.3 * torch.randn(rows, length, generator=g)) * mask
-    advantages = torch.randn(rows, 1, generator=g).expand(rows, length) * mask
+    old = -torch.rand(n_rows, length, generator=g) * 4 * mask
+    logp = (old + 0.3 * torch.randn(n_rows, length, generator=g)) * mask
+    advantages = torch.randn(n_rows, 1, generator=g).expand(n_rows, length) * mask
     return old, logp, advantages, mask
 
 
@@ -121,7 +121,7 @@ def test_registered_loss_equals_cwgrpos_loss_path(name, mode):
 
 
 def test_clip_cov_agrees_with_verls_clip_cov():
-    old, logp, advantages, mask = tensors(2, rows=8, length=300)
+    old, logp, advantages, mask = tensors(2, n_rows=8, length=300)
     logp = logp * 3  # wider log-probs: more tokens with 1 < C < 5
     config = verl_config(clip_cov_ratio=0.01)
     results = []
@@ -145,7 +145,7 @@ def test_clip_cov_agrees_with_verls_clip_cov():
 
 
 def test_kl_cov_agrees_with_verls_kl_cov_and_the_default_ratio_differs():
-    old, logp, advantages, mask = tensors(4, rows=8, length=300)
+    old, logp, advantages, mask = tensors(4, n_rows=8, length=300)
     config = verl_config(kl_cov_ratio=0.002)
     (verl_loss, verl_grad, _), (our_loss, our_grad, _) = [
         loss_and_grad(

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import cwgrpo
-from cwgrpo_utils import tiny
+from cwgrpo_utils.models import tiny
 from tests.support import FEATURES, ROLLOUT
 
 # One thread, as the runs the tests start choose for the tiny models: beside another busy process

@@ -7,7 +7,7 @@ a failed write does to a run. The whole-run tests (tests/test_runs.py) drive it.
 
 CWGRPO_FAULT is module:attribute:N[:mode], the attribute dotted for a method (Class.method) and
 looked up where the caller finds it (RunFolder.log calls run_folder's append_record, so
-cwgrpo_utils.run_folder:append_record; cwgrpo.py imports Grader, so cwgrpo:Grader.submit).
+cwgrpo_utils.run.folder:append_record; cwgrpo.py imports Grader, so cwgrpo:Grader.submit).
 N+ (3+) is every call from the Nth on. Modes: kill (before the Nth call; the default), after (once
 it returns), torn (for an append of one JSON record to a file: half the line is written, then the
 kill), enospc (the call raises OSError ENOSPC, as a full disk does), nan (the call's tensor result,

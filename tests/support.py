@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 import cwgrpo
-from cwgrpo_utils import checkpoints
+from cwgrpo_utils.run import checkpoints
 
 ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).parent
@@ -69,19 +69,19 @@ def tensorboard_records(run: Path) -> list[dict]:
     return [{k: v for k, v in steps[s].items() if k not in TIMING_KEYS} for s in sorted(steps)]
 
 
-def saved_activation_bytes(model, cfg, run_cfg, rows: int, prompt: int, new: int) -> int:
+def saved_activation_bytes(model, cfg, run_cfg, n_rows: int, prompt: int, new: int) -> int:
     """The bytes the run's log-prob pass keeps for backward on a batch of random tokens of rows x
-    (prompt + new), rows in groups of cfg.group_size sharing a prompt as a rollout's do, the
+    (prompt + new), n_rows in groups of cfg.group_size sharing a prompt as a rollout's do, the
     last group's prompt 3 tokens shorter (left padding, as prompts of different lengths have):
     the unique storages saved_tensors_hooks sees, the weights left out."""
     vocab = model.config.vocab_size
-    prompts = torch.randint(0, vocab, (rows // cfg.group_size, prompt))
-    prompt_mask = torch.ones(rows, prompt).long()
+    prompts = torch.randint(0, vocab, (n_rows // cfg.group_size, prompt))
+    prompt_mask = torch.ones(n_rows, prompt).long()
     prompt_mask[-cfg.group_size :, :3] = 0
     samples = cwgrpo.Samples(
         prompts.repeat_interleave(cfg.group_size, 0), prompt_mask,
-        torch.randint(0, vocab, (rows, new)), torch.ones(rows, new),
-        torch.zeros(rows, dtype=torch.bool), [""] * rows, torch.zeros(rows, new),
+        torch.randint(0, vocab, (n_rows, new)), torch.ones(n_rows, new),
+        torch.zeros(n_rows, dtype=torch.bool), [""] * n_rows, torch.zeros(n_rows, new),
     )  # fmt: skip
     storages, weights = {}, {p.untyped_storage().data_ptr() for p in model.parameters()}
 

@@ -10,9 +10,10 @@ import time
 import pytest
 
 import cwgrpo
-from cwgrpo_utils import cli, threads
-from cwgrpo_utils.cli import OPTIONAL
-from cwgrpo_utils.run_config import RunConfig
+from cwgrpo_utils.machine import threads
+from cwgrpo_utils.options import cli
+from cwgrpo_utils.options.cli import OPTIONAL
+from cwgrpo_utils.options.run_config import RunConfig
 from tests.support import ROOT, load_evaluate, run_cli
 
 evaluate = load_evaluate()

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import cwgrpo
-from cwgrpo_utils.cli import shown_path
-from cwgrpo_utils.grading_pool import Grader
+from cwgrpo_utils.machine.grading_pool import Grader
+from cwgrpo_utils.options.cli import shown_path
 from tests.support import ROOT, load_evaluate
 
 evaluate = load_evaluate()
@@ -38,7 +38,7 @@ def test_pass_at_k_exact(n, c, k, expected):
 
 
 @pytest.mark.parametrize(
-    "completion,gold,gold_format,score",
+    "completion,gold,gold_format,accuracy",
     [
         (
             "... Therefore, the final answer is: $\\boxed{33}$. I hope it is correct",
@@ -63,9 +63,9 @@ def test_pass_at_k_exact(n, c, k, expected):
         ("the final answer is: $\\boxed{\\sqrt{3}}$", "$\\frac{\\sqrt{3}}{2}$", "latex", 0.0),
     ],
 )
-def test_grading_of_each_benchmarks_gold_form(completion, gold, gold_format, score):
+def test_grading_of_each_benchmarks_gold_form(completion, gold, gold_format, accuracy):
     grader = Grader(cwgrpo.grade_accuracy, cwgrpo.TIMED_OUT)
-    assert grader.grade(completion, gold, gold_format).accuracy == score
+    assert grader.grade(completion, gold, gold_format).accuracy == accuracy
 
 
 # Hand-written answers of each kind the paper's grading and cwgrpo's reward may read apart, and

@@ -16,9 +16,11 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import cwgrpo
 from benchmarks import gpu_run
-from cwgrpo_utils import checkpoints, lora, memory_plan
-from cwgrpo_utils.precision import Precision
-from cwgrpo_utils.vllm_engine import Engine
+from cwgrpo_utils.machine import memory_plan
+from cwgrpo_utils.machine.precision import Precision
+from cwgrpo_utils.machine.vllm_engine import Engine
+from cwgrpo_utils.models import lora
+from cwgrpo_utils.run import checkpoints
 from tests.support import SMALL_SHAPE
 
 CUDA = torch.device("cuda")  # no GPU needed: each test gives the card's numbers

@@ -11,8 +11,10 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import cwgrpo
-from cwgrpo_utils import checkpoints, loading, lora, memory_plan, trackers
-from cwgrpo_utils.run_config import RunConfig
+from cwgrpo_utils.machine import memory_plan
+from cwgrpo_utils.models import loading, lora
+from cwgrpo_utils.options.run_config import RunConfig
+from cwgrpo_utils.run import checkpoints, trackers
 from tests.support import (
     LORA_ARGS,
     SMALL_SHAPE,

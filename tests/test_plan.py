@@ -11,8 +11,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import cwgrpo
-from cwgrpo_utils import checkpoints, loading, memory_plan, presets
-from cwgrpo_utils.precision import Precision
+from cwgrpo_utils.machine import memory_plan
+from cwgrpo_utils.machine.precision import Precision
+from cwgrpo_utils.models import loading
+from cwgrpo_utils.options import presets
+from cwgrpo_utils.run import checkpoints
 from tests.support import ROOT, SMALL_SHAPE, read_metrics, saved_activation_bytes
 
 
@@ -103,9 +106,9 @@ def test_the_kv_cache_after_sampling_is_the_plans(plan_model):
     model, folder = plan_model
     options = plan_options()
     planned = memory_plan.plan(str(folder), options, cuda=False)["items"]["KV cache"]
-    rows, prompt, new = 8, options.max_prompt_length, options.max_completion_length
+    n_rows, prompt, new = 8, options.max_prompt_length, options.max_completion_length
     cache = loading.KVCache(torch.float32)
-    ids = torch.randint(0, 300, (rows, prompt))
+    ids = torch.randint(0, 300, (n_rows, prompt))
     how = cwgrpo.Sampling(1, 1.0, 1.0, 0, new)
     cwgrpo.sample_tokens(model, ids, torch.ones_like(ids), how, new, [], 0, cache)
     measured = tensor_bytes(t for layer in cache.layers for t in (layer.keys, layer.values))
@@ -127,8 +130,8 @@ def test_activations_saved_for_backward_are_the_plans(plan_model, checkpointing,
         + ["--share-prompts", str(share)]
     )
     planned = memory_plan.plan(str(folder), options, cuda=False)["items"]
-    rows, prompt, new = 8, options.max_prompt_length, options.max_completion_length
-    measured = saved_activation_bytes(model, cfg, run_cfg, rows, prompt, new)
+    n_rows, prompt, new = 8, options.max_prompt_length, options.max_completion_length
+    measured = saved_activation_bytes(model, cfg, run_cfg, n_rows, prompt, new)
     assert measured == pytest.approx(planned["activations saved for backward"], rel=0.03)
     recomputed = planned["one layer recomputed in backward"]
     if not checkpointing:
@@ -140,8 +143,8 @@ def test_activations_saved_for_backward_are_the_plans(plan_model, checkpointing,
     short.model.layers = short.model.layers[:-1]
     short.config.num_hidden_layers -= 1
     one_layer = saved_activation_bytes(
-        whole, cfg, run_cfg, rows, prompt, new
-    ) - saved_activation_bytes(short, cfg, run_cfg, rows, prompt, new)
+        whole, cfg, run_cfg, n_rows, prompt, new
+    ) - saved_activation_bytes(short, cfg, run_cfg, n_rows, prompt, new)
     if share:  # a completions' layer, unless the prompts' whole pass (one checkpoint) is more
         assert 0.8 * one_layer < recomputed < one_layer
     else:

@@ -21,17 +21,13 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import cwgrpo
-from cwgrpo_utils import (
-    OPEN_RS_SYSTEM_PROMPT,
-    checkpoints,
-    cli,
-    loading,
-    run_folder,
-    tiny,
-    token_page,
-)
-from cwgrpo_utils.precision import Precision
-from cwgrpo_utils.prompts import PromptStream, chat_prompt_ids
+from cwgrpo_utils import OPEN_RS_SYSTEM_PROMPT
+from cwgrpo_utils.machine.precision import Precision
+from cwgrpo_utils.models import loading, tiny
+from cwgrpo_utils.models.prompts import PromptStream, chat_prompt_ids
+from cwgrpo_utils.options import cli
+from cwgrpo_utils.run import checkpoints, token_page
+from cwgrpo_utils.run import folder as run_folder
 from tests.support import (
     LORA,
     LORA_ARGS,
@@ -364,7 +360,7 @@ def test_token_view_shows_the_prompt_scores_and_the_methods_weights(tiny_base, t
     tokenizer = loading.load_tokenizer(str(tiny_base / "model"))
     torch.manual_seed(0)
     prompt = chat_prompt_ids(tokenizer, "3+4", "")
-    samples = cwgrpo.sample(model, tokenizer, [prompt], cfg, share=run_cfg.share_prompts)
+    samples = cwgrpo.sample(model, tokenizer, [prompt], cfg, cwgrpo.Passes.of(cfg, run_cfg))
     grades = [cwgrpo.grade_accuracy(text, "\\boxed{7}") for text in samples.texts]
     rewards = cwgrpo.rewards_of(samples.texts, grades, cfg)
     advantages = torch.randn(cfg.group_size, generator=torch.Generator().manual_seed(1))
@@ -511,25 +507,25 @@ def test_the_paper_recipe_code_path_runs_and_resumes_on_cpu(tmp_path, tiny_base,
 FAULT_STEPS = ["--steps", "6", "--save-every", "2", "--threads", "1", "--reward-workers", "1"]
 
 
-VLLM_SAMPLER = "cwgrpo_utils.vllm_engine:Engine.generate"
+VLLM_SAMPLER = "cwgrpo_utils.machine.vllm_engine:Engine.generate"
 SAMPLER = "cwgrpo:sample_tokens" if ROLLOUT == "hf" else VLLM_SAMPLER
 
 
 KILL_POINTS = {  # CWGRPO_FAULT -> where the run dies
     f"{SAMPLER}:3": "sampling step 3",
-    "cwgrpo:Grader.submit:3:after": "grading step 3, workers busy",
+    "cwgrpo_utils.machine.grading_pool:Grader.submit:3:after": "grading step 3, workers busy",
     "cwgrpo:token_stats:4": "step 3's reference pass (calls: ref 1, page 1, ref 2, ref 3)",
     "torch.nn.utils:clip_grad_norm_:3:after": "step 3's update, after backward, before the step",
     "torch.optim:AdamW.step:5:after": "step 5's update, after the optimizer step",
-    "cwgrpo_utils.run_folder:append_record:3:torn": "writing step 3's metrics (half a line)",
+    "cwgrpo_utils.run.folder:append_record:3:torn": "writing step 3's metrics (half a line)",
     "transformers:PreTrainedModel.save_pretrained:2:after": "checkpoint-4: weights written",
     "transformers:PreTrainedTokenizerBase.save_pretrained:2:after": "checkpoint-4: tokenizer",
     "torch:save:3:after": "checkpoint-4: optimizer.pt written, trainer_state.pt not",
     "torch:save:4:after": "checkpoint-4: trainer state written, not yet renamed",
-    "cwgrpo_utils.checkpoints:prune_checkpoints:2": "checkpoint-4 renamed, 2 still has optimizer",
-    "cwgrpo_utils.plots:plot_run:1": "just after checkpoint-2 is complete, before its pictures",
-    "cwgrpo_utils.token_page:write:2": "drawing the last step's token page, before its update",
-    "cwgrpo_utils.checkpoints:save_checkpoint:4": "after every step, before final-model is written",
+    "cwgrpo_utils.run.checkpoints:prune_checkpoints:2": "checkpoint-4 renamed, 2 has optimizer",
+    "cwgrpo_utils.run.plots:plot_run:1": "just after checkpoint-2 is complete, before its pictures",
+    "cwgrpo_utils.run.token_page:write:2": "drawing the last step's token page, before its update",
+    "cwgrpo_utils.run.checkpoints:save_checkpoint:4": "after every step, before final-model",
 }
 
 
@@ -539,7 +535,12 @@ KILL_POINTS = {  # CWGRPO_FAULT -> where the run dies
 # with grading in flight; after a step whose weights the engine does not have yet; just after a
 # checkpoint); those inside a checkpoint's writing are the sampler's business no more than the HF
 # loop's, and run there
-VLLM_KILL_POINTS = (VLLM_SAMPLER, "cwgrpo:Grader", "torch.optim:", "cwgrpo_utils.plots:plot_run")
+VLLM_KILL_POINTS = (
+    VLLM_SAMPLER,
+    "cwgrpo_utils.machine.grading_pool:Grader",
+    "torch.optim:",
+    "cwgrpo_utils.run.plots:plot_run",
+)
 
 
 if ROLLOUT == "vllm":
@@ -776,7 +777,7 @@ def test_a_resume_with_other_options_is_refused_and_the_record_kept(tiny_args, t
             "--output-dir",
             str(out),
         ],
-        "cwgrpo_utils.checkpoints:save_checkpoint:2",
+        "cwgrpo_utils.run.checkpoints:save_checkpoint:2",
     )  # before ckpt-4
     assert first.returncode == -signal.SIGKILL, first.stderr
     record = (out / "run_config.json").read_text()

@@ -1,4 +1,4 @@
-"""Shared-prompt passes (--share-prompts, cwgrpo_utils/shared_prompt.py) against the unshared
+"""Shared-prompt passes (--share-prompts, cwgrpo_utils/fast/shared_prompt.py) against the unshared
 ones, in fp32 on the CPU: the same log-probs, entropies, ict divergences and parameter gradients to
 rounding on three model shapes, with left-padded prompts of different lengths, one group and
 several a micro-batch, LoRA and gradient checkpointing; the same sampled tokens; and a short run's
@@ -12,9 +12,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import cwgrpo
-from cwgrpo_utils import loading, lora, shared_prompt
-from cwgrpo_utils.precision import Precision
-from cwgrpo_utils.shared_prompt import length_buckets
+from cwgrpo_utils.fast import shared_prompt
+from cwgrpo_utils.fast.shared_prompt import length_buckets
+from cwgrpo_utils.machine.precision import Precision
+from cwgrpo_utils.models import loading, lora
 from tests.support import SMALL_SHAPE, read_metrics
 from tools import diagnose
 

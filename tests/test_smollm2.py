@@ -16,8 +16,9 @@ import transformers
 
 import cwgrpo
 import evaluate
-from cwgrpo_utils import loading, preset_models, presets, prompts, smollm2, tiny
-from cwgrpo_utils.presets import SMOLLM2
+from cwgrpo_utils.models import loading, preset_models, prompts, smollm2, tiny
+from cwgrpo_utils.options import presets
+from cwgrpo_utils.options.presets import SMOLLM2
 from tests.support import ROLLOUT, ROOT, evaluate_as_printed
 
 # SmolLM2's chat template, its default system prompt renamed so that no other test has said it

@@ -19,9 +19,11 @@ import pytest
 import torch
 
 import cwgrpo
-from cwgrpo_utils import checkpoints, cli, loading, plots, smollm2, tiny
-from cwgrpo_utils.grading_pool import Grader
-from cwgrpo_utils.prompts import PromptStream
+from cwgrpo_utils.machine.grading_pool import Grader
+from cwgrpo_utils.models import loading, smollm2, tiny
+from cwgrpo_utils.models.prompts import PromptStream
+from cwgrpo_utils.options import cli
+from cwgrpo_utils.run import checkpoints, plots
 from cwgrpo_verl import data
 from tests.support import ROOT, processes_tagged, read_metrics, run_cli
 from tools import ablate, diagnose, probe
@@ -254,13 +256,12 @@ def scored_rollout(tiny_run, tiny_base):
     prompts = PromptStream(tiny.arithmetic_dataset(0), tokenizer, cfg)
     questions = prompts.next_batch(4)
     golds = [gold for _, gold in questions for _ in range(cfg.group_size)]
-    share = run_cfg.share_prompts
-    samples = cwgrpo.sample(model, tokenizer, [ids for ids, _ in questions], cfg, share=share)
+    passes = cwgrpo.Passes.of(cfg, run_cfg)
+    samples = cwgrpo.sample(model, tokenizer, [ids for ids, _ in questions], cfg, passes)
     with Grader(cwgrpo.grade_accuracy, cwgrpo.TIMED_OUT) as grader:
         grades = grader.map([(t, g, "default") for t, g in zip(samples.texts, golds)])
     rewards = cwgrpo.rewards_of(samples.texts, grades, cfg)
     advantages = cwgrpo.group_advantages(rewards.total, cfg.group_size)
-    passes = cwgrpo.Passes.of(cfg, run_cfg)
     ref_logp = cwgrpo.token_stats(reference, samples, cfg, passes).logp
     rollout = cwgrpo.Batch.of(samples, rewards, advantages, old=None, ref_logp=ref_logp)
     return model, rollout, cfg, passes

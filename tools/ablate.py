@@ -34,9 +34,11 @@ from typing import Literal
 from tqdm import tqdm
 
 import cwgrpo
-from cwgrpo_utils import checkpoints, plots, preset_models, presets
-from cwgrpo_utils.cli import arg, parse_dataclasses, require
-from cwgrpo_utils.run_folder import StopRequest, option_differences, read_records
+from cwgrpo_utils.models import preset_models
+from cwgrpo_utils.options import presets
+from cwgrpo_utils.options.cli import arg, parse_dataclasses, require
+from cwgrpo_utils.run import checkpoints, plots
+from cwgrpo_utils.run.folder import StopRequest, option_differences, read_records
 from tools import diagnose
 
 CWGRPO = Path(cwgrpo.__file__).resolve()
@@ -55,7 +57,7 @@ class AblationConfig:
         "all, or cw-readings (GRPO and CW-GRPO's readings)",
     )
     seeds: int = arg(5, "runs per method, with seeds 0 .. seeds-1")
-    preset: Literal[tuple(cwgrpo.PRESETS)] = arg(
+    preset: Literal[tuple(presets.PRESETS)] = arg(
         "tiny", "the recipe every run uses; options after -- go to every run"
     )
     output_dir: str = arg(
@@ -89,8 +91,8 @@ class AblationConfig:
 def parse_methods(spec: str) -> dict[str, list[str]]:
     """label -> the cwgrpo.py options that make it; "all" and "cw-readings" stand for their lists
     (together, "all,cw-readings", GRPO and CW-GRPO run once)."""
-    groups = {"all": ",".join(cwgrpo.METHODS), "cw-readings": CW_READING_RUNS}
-    entries = ",".join(groups.get(entry.strip(), entry) for entry in spec.split(","))
+    method_sets = {"all": ",".join(cwgrpo.METHODS), "cw-readings": CW_READING_RUNS}
+    entries = ",".join(method_sets.get(entry.strip(), entry) for entry in spec.split(","))
     runs = {}
     for entry in filter(None, (e.strip() for e in entries.split(","))):
         label, _, definition = entry.partition("=")

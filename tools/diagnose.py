@@ -31,15 +31,16 @@ import torch.nn.functional as F
 import transformers
 
 import cwgrpo
-from cwgrpo_utils import checkpoints, loading, plots
-from cwgrpo_utils.cli import arg, parse_dataclasses
-from cwgrpo_utils.grading_pool import Grader
-from cwgrpo_utils.lm_head import squared_probability_mass
-from cwgrpo_utils.precision import Precision
-from cwgrpo_utils.presets import CPU_PRESETS
-from cwgrpo_utils.prompts import PromptStream
-from cwgrpo_utils.run_folder import append_record, keep_records_until, read_records
-from cwgrpo_utils.vllm_engine import Engine
+from cwgrpo_utils.fast.lm_head import squared_probability_mass
+from cwgrpo_utils.machine.grading_pool import Grader
+from cwgrpo_utils.machine.precision import Precision
+from cwgrpo_utils.machine.vllm_engine import Engine
+from cwgrpo_utils.models import loading
+from cwgrpo_utils.models.prompts import PromptStream
+from cwgrpo_utils.options.cli import arg, parse_dataclasses
+from cwgrpo_utils.options.presets import CPU_PRESETS
+from cwgrpo_utils.run import checkpoints, plots
+from cwgrpo_utils.run.folder import append_record, keep_records_until, read_records
 
 CONCENTRATION_CUTOFFS = (0.0001, 0.001, 0.01, 0.1, 1.0)  # top 0.01% ... 100% of one side
 PAPER_CONCENTRATION = {0.0001: (11.5, -13.6), 1.0: (0.06, -0.04)}  # CW-GRPO, R1-Distill-1.5B
@@ -390,15 +391,8 @@ def batch(argv: list) -> Path | None:
         workers=run_cfg.reward_workers,
     )
     with grading as grader, autocast():
-        samples = cwgrpo.sample(
-            model,
-            tokenizer,
-            [ids for ids, _ in questions],
-            cfg,
-            chunk=run_cfg.rollout_chunk,
-            share=run_cfg.share_prompts,
-            engine=engine,
-        )
+        prompt_ids = [ids for ids, _ in questions]
+        samples = cwgrpo.sample(model, tokenizer, prompt_ids, cfg, passes, engine=engine)
         grades = grader.map([(t, gold, "default") for t, gold in zip(samples.texts, golds)])
         rewards = cwgrpo.rewards_of(samples.texts, grades, cfg)
         advantages = cwgrpo.group_advantages(rewards.total, cfg.group_size)

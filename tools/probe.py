@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from cwgrpo_utils import loading, plots, preset_models, smollm2
-from cwgrpo_utils.cli import arg, parse_dataclasses
-from cwgrpo_utils.presets import QUESTION_AS_ASKED, SMOLLM2
+from cwgrpo_utils.models import loading, preset_models, smollm2
+from cwgrpo_utils.options.cli import arg, parse_dataclasses
+from cwgrpo_utils.options.presets import QUESTION_AS_ASKED, SMOLLM2
+from cwgrpo_utils.run import plots
 
 EVALUATE = Path(__file__).resolve().parent.parent / "evaluate.py"
 

@@ -16,7 +16,7 @@ import signal
 import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 
 def _serve(fn: Callable, conn, parent_pid: int) -> None:
@@ -158,6 +158,17 @@ class CachedTimeoutPool(TimeoutPool):
 
         running.add_done_callback(answer)
         return done
+
+
+class Grade(NamedTuple):
+    """A completion's grading: what grade functions return, and the pool on a timeout."""
+
+    accuracy: float
+    gold_parsed: bool  # False: the gold could not be parsed, so the accuracy is 0 by rule
+    timed_out: bool  # grading was cut off (ours or math-verify's own limit), so the accuracy is 0
+
+
+TIMED_OUT = Grade(0.0, gold_parsed=True, timed_out=True)  # a grading the pool's time limit cut off
 
 
 class Grader(CachedTimeoutPool):

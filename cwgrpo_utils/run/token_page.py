@@ -11,8 +11,8 @@ from typing import Callable
 
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from cwgrpo_utils.checkpoints import rng_kept
-from cwgrpo_utils.run_folder import append_record, keep_records_until, never_fatal, read_records
+from cwgrpo_utils.run.checkpoints import rng_kept
+from cwgrpo_utils.run.folder import append_record, keep_records_until, never_fatal, read_records
 
 # What the legend adds under the released CW reading
 CW_NOTE = (

@@ -5,7 +5,7 @@ page. cwgrpo.py's main and training loop hand it each step in a few calls:
 
     with Run(cfg, run_cfg) as run:              # checked, locked, its header printed
         run.start(grader)                           # the data; run_config.json; records kept
-        model, reference, tokenizer, prompts, engine = run.load()
+        loaded = run.load()                         # policy, reference, tokenizer, prompts, engine
         start = run.begin(optimizer, scheduler, scaler=..., prompts=...)
         with run.phase("sampling", rollout_step): ...   # out of memory: one line and the lever
         run.rollout_scored(rollout_step, model=..., batch=...)  # the token page, a tool's hook
@@ -19,22 +19,18 @@ import dataclasses
 import json
 import time
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 
-from cwgrpo_utils import (
-    EVALUATION_TEMPERATURE,
-    REPOSITORY,
-    checkpoints,
-    lora,
-    memory_plan,
-    plots,
-    preset_models,
-    threads,
-    tiny,
-)
-from cwgrpo_utils.cli import command, shown_path
-from cwgrpo_utils.loading import (
+from cwgrpo_utils import EVALUATION_TEMPERATURE, REPOSITORY
+from cwgrpo_utils.machine import memory_plan, threads
+from cwgrpo_utils.machine.grading_pool import Grader
+from cwgrpo_utils.machine.memory_plan import OutOfMemory, PlanOptions
+from cwgrpo_utils.machine.precision import Precision, SkippedSteps
+from cwgrpo_utils.machine.vllm_engine import Engine
+from cwgrpo_utils.models import lora, preset_models, tiny
+from cwgrpo_utils.models.loading import (
     check_model_path,
     load_dataset,
     load_policy,
@@ -42,24 +38,36 @@ from cwgrpo_utils.loading import (
     load_tokenizer,
     resolve_device,
 )
-from cwgrpo_utils.memory_plan import OutOfMemory, PlanOptions
-from cwgrpo_utils.metrics import GRADING_PROBLEMS
-from cwgrpo_utils.precision import Precision, SkippedSteps
-from cwgrpo_utils.presets import CPU_PRESETS, GPU_PRESETS, final_model_evaluation
-from cwgrpo_utils.prompts import PromptStream
-from cwgrpo_utils.run_config import RunConfig
-from cwgrpo_utils.run_folder import Progress, RunFolder, read_records
-from cwgrpo_utils.token_page import TokenPage
-from cwgrpo_utils.vllm_engine import Engine
+from cwgrpo_utils.models.prompts import PromptStream
+from cwgrpo_utils.options.cli import command, shown_path
+from cwgrpo_utils.options.config import Config, Passes
+from cwgrpo_utils.options.presets import CPU_PRESETS, GPU_PRESETS, final_model_evaluation
+from cwgrpo_utils.options.run_config import RunConfig
+from cwgrpo_utils.run import checkpoints, plots
+from cwgrpo_utils.run.folder import Progress, RunFolder, read_records
+from cwgrpo_utils.run.metrics import GRADING_PROBLEMS
+from cwgrpo_utils.run.token_page import TokenPage
+
+
+class Loaded(NamedTuple):
+    """What a run trains and samples with."""
+
+    model: torch.nn.Module  # the policy, a checkpoint's on resume
+    reference: (
+        torch.nn.Module | None
+    )  # the KL's: a frozen copy; None under LoRA (the base) or beta 0
+    tokenizer: Any
+    prompts: PromptStream  # the data's prompts in their seeded order
+    engine: Engine | None  # --rollout vllm's sampler; else None
 
 
 class Run:
-    """One training run of cwgrpo.py's cfg (the algorithm's Config) and run_cfg (RunConfig). Made,
+    """One training run of cfg (the algorithm's Config) and run_cfg (RunConfig). Made,
     it has chosen the device, precision and thread count and printed the run's header; entered, it
     holds the folder's lock and has checked the model (a CPU preset's built on first use, its fit
     on the GPU against the plan)."""
 
-    def __init__(self, cfg, run_cfg: RunConfig):
+    def __init__(self, cfg: Config, run_cfg: RunConfig):
         self.cfg, self.run_cfg = cfg, run_cfg
         self.started = time.perf_counter()
         gpu_recipe = "" if cfg.preset in CPU_PRESETS else cfg.preset
@@ -123,7 +131,18 @@ class Run:
         """A resumed run that has done its steps says so (and the loop has nothing to do)."""
         return self.folder.finished(self.cfg.steps)
 
-    def start(self, grader) -> None:
+    def grader(self, grade, on_timeout) -> Grader:
+        """The processes that grade completions with grade(completion, gold, gold_format) while
+        the step goes on: --reward-workers of them, each grading cut off after --reward-timeout-s
+        and scored on_timeout."""
+        return Grader(
+            grade,
+            on_timeout=on_timeout,
+            timeout_s=self.cfg.reward_timeout_s,
+            workers=self.run_cfg.reward_workers,
+        )
+
+    def start(self, grader: Grader) -> None:
         """The data loaded; run_config.json with what the run used, and on resume the records
         after its checkpoint dropped; then it says what it loads."""
         cfg = self.cfg
@@ -138,11 +157,8 @@ class Run:
         )
         print(f"loading {shown_path(self.weights)} ...", flush=True)
 
-    def load(self):
-        """What the run trains and samples with: the policy (a checkpoint's on resume), the KL's
-        reference (a frozen copy; none under LoRA, whose base is it, or at beta 0), the
-        tokenizer, the data's prompts in their seeded order, and the vLLM engine (--rollout
-        vllm; else None)."""
+    def load(self) -> "Loaded":
+        """What the run trains and samples with (Loaded)."""
         cfg, run_cfg = self.cfg, self.run_cfg
         tokenizer = load_tokenizer(self.weights)
         prompts = PromptStream(self.dataset, tokenizer, cfg)
@@ -152,12 +168,13 @@ class Run:
         engine = None
         if run_cfg.rollout == "vllm":
             engine = Engine.for_run(cfg, run_cfg, self.precision)
-        return model, reference, tokenizer, prompts, engine
+        return Loaded(model, reference, tokenizer, prompts, engine)
 
-    def show_tokens(self, tokenizer, methods: dict, weigh, log_prob_passes, hook=None) -> None:
+    def show_tokens(self, tokenizer, methods: dict, weigh, hook=None) -> None:
         """tokens.html at the first and last steps (token_page.py; weigh: every method's weights
         of a batch's rows), and a tool's hook, each called with every scored batch."""
-        page = TokenPage(self.folder, self.cfg, tokenizer, methods, weigh, log_prob_passes)
+        passes = Passes.of(self.cfg, self.run_cfg)
+        page = TokenPage(self.folder, self.cfg, tokenizer, methods, weigh, passes)
         self.hooks = [page] if hook is None else [page, hook]
 
     def begin(self, optimizer, scheduler, scaler, prompts) -> int:

@@ -1,8 +1,8 @@
 """The tiny presets' models and data, built once so that cwgrpo.py trains them like any other.
 
     python cwgrpo.py --method cw --preset tiny        # builds it on first use, then trains it
-    python -m cwgrpo_utils.tiny --overwrite           # rebuilds it
-    python -m cwgrpo_utils.tiny --preset tiny-chain   # the task of several decisions
+    python -m cwgrpo_utils.models.tiny --overwrite           # rebuilds it
+    python -m cwgrpo_utils.models.tiny --preset tiny-chain   # the task of several decisions
 
 A Qwen2 of 115k parameters with Qwen2's byte-level tokenizer (256 byte tokens and the ChatML
 specials), given seconds (tiny) to a minute (tiny-chain) of supervised warm-start on a synthetic
@@ -33,9 +33,9 @@ from tqdm import tqdm
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from cwgrpo_utils.checkpoints import save_checkpoint
-from cwgrpo_utils.cli import arg, parse_dataclasses, shown_path
-from cwgrpo_utils.presets import BASES, TASKS
+from cwgrpo_utils.options.cli import arg, parse_dataclasses, shown_path
+from cwgrpo_utils.options.presets import BASES, TASKS
+from cwgrpo_utils.run.checkpoints import save_checkpoint
 
 TINY_PRESETS = ("tiny", "tiny-chain")  # the presets whose model is built here (presets.TASKS)
 

@@ -18,7 +18,7 @@ import os
 import uuid
 from pathlib import Path
 
-from cwgrpo_utils import cli
+from cwgrpo_utils.options import cli
 
 TRACKERS = ("tensorboard", "wandb", "trackio")
 

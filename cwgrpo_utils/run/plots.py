@@ -6,7 +6,7 @@ import math
 import statistics
 from pathlib import Path
 
-from cwgrpo_utils.run_folder import never_fatal, read_records
+from cwgrpo_utils.run.folder import never_fatal, read_records
 
 
 def pyplot():

@@ -1,4 +1,4 @@
-"""The run's options: everything of a cwgrpo.py run that is not the algorithm (cwgrpo.py's Config)
+"""The run's options: everything of a cwgrpo.py run that is not the algorithm (config.py's Config)
 but how and where it runs: its output and checkpoints, trackers, the device and precision, the
 memory and speed options, the vLLM sampler and LoRA. The command line is one flat set of flags;
 --help shows these in a group of their own. Light on purpose: read before torch is imported."""
@@ -7,18 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from cwgrpo_utils import PRECISIONS, trackers
-from cwgrpo_utils.cli import (
-    arg,
-    check,
-    check_implied,
-    check_ranges,
-    note_unused,
-    parse_dataclasses,
-    require,
-    require_engine_in_process,
-)
-from cwgrpo_utils.presets import PRESETS
+from cwgrpo_utils import PRECISIONS
+from cwgrpo_utils.options.cli import arg, check_ranges, require, require_engine_in_process
+from cwgrpo_utils.run import trackers
 
 
 @dataclass
@@ -33,7 +24,9 @@ class RunConfig:
     overwrite_output_dir: bool = arg(False, "start afresh in an --output-dir that holds a run")
     log_every: int = arg(10, "without a terminal, a progress line every this many steps", "> 0")
     report_to: list[str] = arg(["none"], "none, or trackers: tensorboard wandb trackio")
-    plan: bool = arg(False, "print the memory and disk plan (cwgrpo_utils/memory_plan.py), exit")
+    plan: bool = arg(
+        False, "print the memory and disk plan (cwgrpo_utils/machine/memory_plan.py), exit"
+    )
     max_skipped_steps: int = arg(
         10, "stop after this many steps in a row skipped as not finite", "> 0"
     )
@@ -80,27 +73,3 @@ def micro_batch_rows(groups_per_micro_batch: int, prompts_per_step: int, group_s
     """The rows a forward (and backward) pass holds: --groups-per-micro-batch whole groups (0: all
     of a step's)."""
     return (groups_per_micro_batch or prompts_per_step) * group_size
-
-
-def parse_run(
-    config_type, argv: list, *extra, method_options: dict, readings: dict, **parser_options
-) -> list:
-    """[config_type (cwgrpo.py's Config), RunConfig, and one of each dataclass of `extra`] from
-    argv, the --preset's values as defaults: an option that only another --method reads noted
-    (method_options: method -> the options it reads), a --cw-reading contradicted by the options
-    it sets refused (readings: reading -> those options' values), and the default --output-dir
-    named for the method, preset and seed."""
-    parsed, given = parse_dataclasses(
-        [config_type, RunConfig, *extra], argv, presets=PRESETS, **parser_options
-    )
-    cfg, run_cfg = parsed[:2]
-    check_implied(given, "cw_reading", readings)  # a reading names three choices
-    note_unused(given, "method", cfg.method, options_of=method_options)
-    prompts, per_micro_batch = cfg.prompts_per_step, run_cfg.groups_per_micro_batch
-    check(
-        prompts % (per_micro_batch or prompts) == 0,
-        f"--prompts-per-step ({prompts}) must be a multiple of --groups-per-micro-batch "
-        f"({per_micro_batch})",
-    )
-    run_cfg.output_dir = run_cfg.output_dir or f"runs/{cfg.method}-{cfg.preset}-seed{cfg.seed}"
-    return parsed

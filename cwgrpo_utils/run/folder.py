@@ -25,10 +25,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from cwgrpo_utils import checkpoints
-from cwgrpo_utils.cli import dashed, warn_once
-from cwgrpo_utils.run_config import check_output_dir
-from cwgrpo_utils.trackers import Trackers
+from cwgrpo_utils.options.cli import dashed, warn_once
+from cwgrpo_utils.options.run_config import check_output_dir
+from cwgrpo_utils.run import checkpoints
+from cwgrpo_utils.run.trackers import Trackers
 
 # The options a resumed run may change, none of them its recipe: more --steps extend it (the
 # cosine schedule is then recomputed over the new total), some say where and how often it reports,

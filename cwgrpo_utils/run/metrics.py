@@ -3,9 +3,11 @@ batch's figures (rewards, lengths, grading problems) and each update's, averaged
 tokens of every micro-batch (entropy, KL, clipping, the method's weights, the sampler-trainer
 mismatch). cwgrpo.py computes what is algorithm (the KL, the clipped tokens) and hands it in."""
 
+from typing import Any, NamedTuple
+
 import torch
 
-from cwgrpo_utils.cli import warn_once
+from cwgrpo_utils.options.cli import warn_once
 
 # metrics.jsonl's counts of completions that scored 0 whatever they said: the run warns of them
 GRADING_PROBLEMS = {
@@ -41,6 +43,16 @@ def warn_of_grading_problems(metrics: dict) -> None:
             warn_once(key, f"warning: {metrics[key]} {problem} (scored 0); counted in '{key}'")
 
 
+class LossParts(NamedTuple):
+    """A micro-batch's loss per token, and what of it the metrics read; each (rows, T)."""
+
+    per_token: torch.Tensor  # w pg r + extra + beta k3, times active
+    terms: Any  # the method's TokenTerms (cwgrpo.py, section 5)
+    tokens: Any  # the Group the loss read: log-probs, the rollout policy's, entropies, the mask
+    kl: torch.Tensor | None  # k3, without gradient; None without a reference (beta 0)
+    clipped: torch.Tensor  # tokens whose PG term PPO's clip holds constant
+
+
 def touched_tokens(terms) -> torch.Tensor:
     """Tokens whose loss a method's TokenTerms changed: weighted other than 1, left out of the
     pass, or given an extra term."""
@@ -52,11 +64,11 @@ def touched_tokens(terms) -> torch.Tensor:
     return touched
 
 
-def token_values(parts, sampler_logp: torch.Tensor) -> dict:
-    """Per valid token of a micro-batch, what update_metrics averages, from its loss's LossParts
-    (cwgrpo.py's) and the sampler's log-probs s: the entropy, the KL (k3; 0 without a reference),
-    the PPO-clipped tokens, the method's weights and the tokens they touch, and the trainer's
-    log-prob l (the rollout policy's) against s."""
+def token_values(parts: LossParts, sampler_logp: torch.Tensor) -> dict:
+    """Per valid token of a micro-batch, what update_metrics averages, from its loss's parts and
+    the sampler's log-probs s: the entropy, the KL (k3; 0 without a reference), the PPO-clipped
+    tokens, the method's weights and the tokens they touch, and the trainer's log-prob l (the
+    rollout policy's) against s."""
     terms, tokens = parts.terms, parts.tokens
     w = terms.pg_weight.detach()
     active = torch.ones_like(w) if terms.active is None else terms.active

@@ -20,7 +20,7 @@ import re
 
 import torch
 
-from cwgrpo_utils import checkpoints
+from cwgrpo_utils.run import checkpoints
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "half", "fp32": "float32"}

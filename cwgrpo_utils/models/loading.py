@@ -24,7 +24,8 @@ from transformers import (
     GenerationConfig,
 )
 
-from cwgrpo_utils import cli, lora
+from cwgrpo_utils.models import lora
+from cwgrpo_utils.options import cli
 
 OFFLINE_HINT = "the hub cannot be reached from here, so only what is cached loads"
 
@@ -245,6 +246,13 @@ def generation_config(model_path: str) -> GenerationConfig:
     except OSError:
         config = AutoConfig.from_pretrained(model_path)
         return GenerationConfig.from_model_config(config)
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    """The token ids a completion ends at: the model's (or a vLLM engine's) generation config's
+    EOS, one id or several, else the tokenizer's."""
+    eos = model.generation_config.eos_token_id
+    return [eos] if isinstance(eos, int) else list(eos or []) or [tokenizer.eos_token_id]
 
 
 def attention_mask(model, mask: torch.Tensor) -> torch.Tensor | None:

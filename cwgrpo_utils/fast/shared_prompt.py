@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from cwgrpo_utils import loading
+from cwgrpo_utils.models import loading
 
 
 class PromptCache(DynamicCache):

@@ -34,11 +34,13 @@ from pathlib import Path
 import torch
 from huggingface_hub import hf_hub_download
 
-from cwgrpo_utils import checkpoints
-from cwgrpo_utils.precision import capability_choice
-from cwgrpo_utils.run_config import RunConfig, micro_batch_rows
+from cwgrpo_utils import REPOSITORY
+from cwgrpo_utils.machine.precision import capability_choice
+from cwgrpo_utils.options.config import Config
+from cwgrpo_utils.options.run_config import RunConfig, micro_batch_rows
+from cwgrpo_utils.run import checkpoints
 
-SHIPPED_CONFIGS = Path(__file__).resolve().parent / "model_configs"
+SHIPPED_CONFIGS = REPOSITORY / "cwgrpo_utils" / "models" / "model_configs"  # each preset's config
 # Common cards: name, memory in GB (as sold) and compute capability, from which auto's precision
 # follows (bf16 from 8.0, fp16 on 7.x)
 CARDS = (
@@ -156,7 +158,7 @@ def read_config(model: str) -> dict:
 
 @dataclass
 class PlanOptions:
-    """The options of a run the plan reads, by the names cwgrpo.py's Config gives them."""
+    """The options of a run the plan reads, by the names Config and RunConfig give them."""
 
     group_size: int
     prompts_per_step: int
@@ -179,8 +181,8 @@ class PlanOptions:
     precision: str = "auto"  # fp32: no half-precision copy of anything (bf16 and fp16: alike)
 
     @classmethod
-    def of(cls, cfg, run_cfg: RunConfig) -> "PlanOptions":
-        """A run's: cfg its algorithm's options (cwgrpo.py's Config), run_cfg its run's."""
+    def of(cls, cfg: Config, run_cfg: RunConfig) -> "PlanOptions":
+        """A run's: cfg its algorithm's options, run_cfg its run's."""
         return cls(
             group_size=cfg.group_size,
             prompts_per_step=cfg.prompts_per_step,
@@ -595,7 +597,7 @@ class OutOfMemory:
     def lever(self, name: str, items: dict) -> tuple[str, str]:
         """The flag a resume can take to lower the phase's peak, and what it lowers."""
         o = self.options
-        groups = o.groups_per_micro_batch or o.prompts_per_step
+        n_groups = o.groups_per_micro_batch or o.prompts_per_step
         if name == "sampling" and o.rollout == "vllm":
             share = o.vllm_gpu_memory_utilization
             flag = f"--vllm-gpu-memory-utilization {max(0.1, share - 0.1):.1f}"
@@ -607,8 +609,8 @@ class OutOfMemory:
         if name == "the update" and not o.gradient_checkpointing:
             saved = items["activations saved for backward"] / GB
             return "--gradient-checkpointing", f"{saved:.1f} GB of activations saved for backward"
-        if name in ("the update", "the log-prob passes") and groups > 1:
-            return "--groups-per-micro-batch 1", f"{groups} groups a pass"
+        if name in ("the update", "the log-prob passes") and n_groups > 1:
+            return "--groups-per-micro-batch 1", f"{n_groups} groups a pass"
         return "", ""
 
     def message(self, name: str, step: int) -> str:

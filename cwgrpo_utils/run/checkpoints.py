@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from cwgrpo_utils import cli, lora
+from cwgrpo_utils.models import lora
+from cwgrpo_utils.options import cli
 
 
 def save_checkpoint(

@@ -10,7 +10,7 @@ evaluated on (evaluation_sets/). Light on purpose: cwgrpo.py reads it before it 
 """
 
 from cwgrpo_utils import REPOSITORY
-from cwgrpo_utils.cli import shown_path
+from cwgrpo_utils.options.cli import shown_path
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the smollm2 presets' model, on the hub
 # Each CPU preset's folder, one per clone: its task, and its model where one is built here
@@ -22,7 +22,7 @@ EVALUATION_SETS = REPOSITORY / "evaluation_sets"
 
 # LoRA on every linear layer at 10x full fine-tuning's learning rate ("LoRA Without Regret")
 LORA = dict(lora_rank=32, learning_rate=1e-5)
-# The GPU recipes' values; cwgrpo.py's Config defaults are the paper's 1.5B one (docs/math.md,
+# The GPU recipes' values; Config's defaults (config.py) are the paper's 1.5B one (docs/math.md,
 # "Recipe")
 GPU_PRESETS = {
     "paper-1.5b": {},

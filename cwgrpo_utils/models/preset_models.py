@@ -2,7 +2,7 @@
 built here (tiny.py); smollm2-sums's task written and, where the hub cannot be reached, its model
 built from a GGUF file (smollm2.py). cwgrpo.py, evaluate.py and tools.ablate call ready()."""
 
-from cwgrpo_utils import smollm2, tiny
+from cwgrpo_utils.models import smollm2, tiny
 
 
 def ready(model: str, dataset: str = "") -> str:

@@ -25,10 +25,10 @@ import os
 
 import torch
 
-from cwgrpo_utils import lora
-from cwgrpo_utils.cli import require_engine_in_process
-from cwgrpo_utils.loading import generation_config
-from cwgrpo_utils.memory_plan import Architecture, PlanOptions, engine_kv_cache, read_config
+from cwgrpo_utils.machine.memory_plan import Architecture, PlanOptions, engine_kv_cache, read_config
+from cwgrpo_utils.models import lora
+from cwgrpo_utils.models.loading import generation_config
+from cwgrpo_utils.options.cli import require_engine_in_process
 
 
 class Engine:
