@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import datasets
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 import cwgrpo
@@ -80,6 +81,8 @@ def run_cwgrpo(args, base_model: Path, out: Path) -> list[float]:
             str(out / "cwgrpo"),
             "--rollout",
             args.rollout,
+            "--threads",  # TRL's: torch's default, where cwgrpo's --threads 0 chooses for the model
+            str(torch.get_num_threads()),
         ]
     )
     cwgrpo.main(cfg, run_cfg)
