@@ -6,13 +6,11 @@ file that reads in the order a training step runs; docs/math.md has every formul
     python cwgrpo.py --method cw                 # the paper's 1.5B recipe (one CUDA GPU)
 
 Sections 1 sampling, 2 reward, 3 log-probs, 4 group advantages, 5 the methods' token weights, 6
-the loss, 7 the optimizer; then the training loop, which runs them in that order, and main. The
-options are Config's (cwgrpo_utils/options/config.py); how and where a run runs (its folder,
-device, precision, memory, vLLM, LoRA) is cwgrpo_utils's business: RunConfig, and Run.
+the loss, 7 the optimizer; then the training loop that runs them, and main. Options: Config's
+(cwgrpo_utils/options/config.py); how and where a run runs is cwgrpo_utils's (RunConfig, Run).
 """
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Callable
 
 # The algorithm's options and the run's, read before the heavy imports below (options/config.py)
@@ -52,7 +50,7 @@ from cwgrpo_utils.run.run import Loaded, Run
 
 
 # 1. Sampling --------------------------------------------------------------------------------------
-@dataclass
+@dataclasses.dataclass
 class Samples(Rows):
     """N = prompts x G completions, a group's rows consecutive (their parts: models/batch.py)."""
 
@@ -226,7 +224,6 @@ def rewards_of(texts: list[str], grades: list[Grade], cfg: Config) -> Rewards:
 def completion_states(model, rows: Samples, group_size: int, share_prompts: bool) -> torch.Tensor:
     """(rows, T, hidden): the last states at the positions that predict each completion token."""
     decoder = model.get_decoder()
-    prompt_width = rows.prompt_ids.shape[1]
     if share_prompts:  # Prefix Grouper (arXiv 2506.05433): the same states to rounding
         # each group's prompt encoded once: its last state, each layer's keys and values
         prompts = shared_prompt.prompt_pass(decoder, rows, group_size)
@@ -243,7 +240,7 @@ def completion_states(model, rows: Samples, group_size: int, share_prompts: bool
         position_ids=position_ids,
         use_cache=False,
     ).last_hidden_state  # (rows, P + T, hidden)
-    return hidden[:, prompt_width - 1 : -1]  # (rows, T, hidden): position t predicts token t
+    return hidden[:, rows.prompt_ids.shape[1] - 1 : -1]  # (rows, T, hidden): t predicts token t
 
 
 def completion_logprobs(model, rows: Samples, cfg: Config, passes: Passes):
@@ -311,7 +308,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return ((per_group - per_group.mean(1, keepdim=True)) / (std + 1e-4)).view(-1)  # (N,)
 
 
-@dataclass
+@dataclasses.dataclass
 class Batch(Samples):
     """The samples and each phase's values, as the update reads them; None: a phase not run."""
 
@@ -402,6 +399,19 @@ def covariance_score(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) 
     return (logp - mu[:, None]) * centred_adv[:, None] * mask  # 3. (G, T)
 
 
+def kernel_bandwidth(score: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """sigma: the std (ddof 0) of a group's scores over its valid tokens + 1e-8 (math.md cw, 4);
+    where every score is 0 (equal rewards), 1e-8 with no gradient (sqrt'(0) is infinite)."""
+    n_valid = mask.sum().clamp(min=1)
+    variance = ((score - score.sum() / n_valid) ** 2 * mask).sum() / n_valid
+    return variance.sqrt() + 1e-8 if variance > 0 else torch.full_like(variance, 1e-8)
+
+
+def gaussian_kernel(score: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """exp(-c^2 / (2 sigma^2)) (math.md cw, 5): 1 at c = 0, small for extreme scores."""
+    return torch.exp(-(score**2) / (2 * sigma**2))
+
+
 def cw_weights(logp, adv, mask, *, norm: str = "padded", detach: bool = False) -> torch.Tensor:
     """CW-GRPO's weights of one group (Wang et al. 2026, method; docs/math.md "cw", steps 1-8):
     a Gaussian kernel of each token's covariance score c, exp(-c^2 / (2 sigma^2)), normalised to
@@ -428,12 +438,8 @@ def cw_weights(logp, adv, mask, *, norm: str = "padded", detach: bool = False) -
             [1.0225, 1.0225, 1.9102]])
     """
     score = covariance_score(logp, adv, mask)  # 1-3. (G, T)
+    kernel = gaussian_kernel(score, kernel_bandwidth(score, mask)) * mask  # 4-5. (G, T)
     n_valid = mask.sum().clamp(min=1)  # a group with no valid token gets weights 0, not NaN
-    score_mean = score.sum() / n_valid
-    variance = ((score - score_mean) ** 2 * mask).sum() / n_valid  # 4. ddof=0
-    # sqrt'(0) is infinite: where every score is 0 (equal rewards), sigma is 1e-8 with no gradient
-    sigma = variance.sqrt() + 1e-8 if variance > 0 else torch.full_like(variance, 1e-8)
-    kernel = torch.exp(-(score**2) / (2 * sigma**2)) * mask  # 5. (G, T)
     if norm == "padded":  # 6. released code
         total = mask.shape[0] * mask.sum(1).max()
     elif norm == "valid":  # 6. paper wording
@@ -574,8 +580,7 @@ def method_terms(tokens: Group, cfg: Config) -> TokenTerms:
 
 @torch.no_grad()
 def every_methods_weights(model, rows: Batch, cfg: Config, passes: Passes) -> dict:
-    """Every method's every pass on the same rows, the policy as rollout policy (tokens.html):
-    (method, pass) -> (w x active, tokens touched), "logp" and cw's "score"; each (rows, T)."""
+    """(method, pass) -> (w x active, touched), "logp", cw's "score" on the rows (tokens.html)."""
     stats = token_stats(model, rows, cfg, passes, divergence=True)
     mask = rows.completion_mask
     out = {"logp": stats.logp, "score": covariance_score(stats.logp, rows.advantages, mask)}
@@ -604,9 +609,8 @@ def k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 
 def sampler_correction(old_logp, sampler_logp, mask, cfg: Config) -> torch.Tensor | None:
-    """The sampler correction r (math.md, "Sampler-trainer mismatch"), TRL's: exp(l - s) a token,
-    or a sequence's summed in log space; truncate: min(r, r_max); mask: 0 outside [r_min, r_max].
-    None: none, the released recipe."""
+    """r (math.md, "Sampler-trainer mismatch"), TRL's: exp(l - s) a token or a sequence (in log
+    space); truncate: min(r, r_max); mask: 0 outside [r_min, r_max]; none (released): None."""
     if cfg.sampler_correction == "none":
         return None
     log_r = (old_logp - sampler_logp) * mask  # (N, T)
@@ -653,9 +657,8 @@ def policy_loss(tokens: Group, terms, cfg: Config, sampler_logp, ref_logp, n_res
 
 # 7. The optimizer ---------------------------------------------------------------------------------
 def optimizer_and_schedule(trained: list, cfg: Config, updates: int):
-    """AdamW over what is trained (the weights, or LoRA's adapter), fused (a CPU's SmolLM2 step 6x
-    faster: docs/performance.md); its learning rate warms up linearly, then follows a cosine to
-    min_lr_ratio x the peak, over steps x `updates` optimizer steps a rollout batch."""
+    """Fused AdamW over what is trained (docs/performance.md); its learning rate warms up linearly,
+    then follows a cosine to min_lr_ratio x the peak, over steps x `updates` optimizer steps."""
     optimizer = torch.optim.AdamW(
         trained, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, fused=True
     )
@@ -669,9 +672,8 @@ def optimizer_and_schedule(trained: list, cfg: Config, updates: int):
 
 
 def optimizer_step(trained: list, optimizer, scheduler, scaler, max_grad_norm: float):
-    """The gradient's norm clipped to max_grad_norm (fp16's unscaled first), then AdamW and the
-    next learning rate; unless the norm is not finite (fp16's overflow, a NaN): then nothing
-    changes but fp16's loss scale, halved. The norm, the learning rate used, whether it ran."""
+    """The gradient's norm clipped (fp16's unscaled first), AdamW, the next learning rate; where
+    the norm is not finite, none of it, but fp16's loss scale halves. Norm, lr, whether it ran."""
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(trained, max_grad_norm)
     lr = scheduler.get_last_lr()[0]
@@ -731,8 +733,6 @@ def training_loop(cfg: Config, run_cfg: RunConfig, loaded: Loaded, grader, run: 
         batch = Batch.of(samples, rewards, advantages, old=old, ref_logp=ref_logp)
         rollout_figures = metrics.rollout_metrics(samples, rewards, grades, cfg.group_size)
         run.rollout_scored(rollout_step, model=model, batch=batch)  # the token page; tools' hook
-        n_responses = len(batch.texts)
-        n_tokens = int(batch.completion_mask.sum().clamp(min=1))
         for update_index in range(updates):
             step = (rollout_step - 1) * updates + update_index + 1  # the optimizer step
             update_pass = update_index % method.update_passes  # lopti: low-probability tokens first
@@ -755,8 +755,8 @@ def training_loop(cfg: Config, run_cfg: RunConfig, loaded: Loaded, grader, run: 
                             cfg,
                             sampler_logp=rows.sampler_logp,
                             ref_logp=rows.ref_logp,
-                            n_responses=n_responses,
-                            n_tokens=n_tokens,
+                            n_responses=len(batch.texts),  # the step's, so micro-batches add up
+                            n_tokens=int(batch.completion_mask.sum().clamp(min=1)),
                         )
                     scaler.scale(loss).backward()  # fp16: scaled up, so no gradient underflows
                     loss_sum += loss.item()
@@ -777,8 +777,7 @@ def training_loop(cfg: Config, run_cfg: RunConfig, loaded: Loaded, grader, run: 
 
 
 def main(cfg: Config, run_cfg: RunConfig, on_rollout: Callable | None = None) -> Path | None:
-    """python cwgrpo.py (--plan: its memory and disk instead). on_rollout(rollout_step, model,
-    batch, autocast), tools/diagnose.py's hook, sees each scored batch before its update."""
+    """python cwgrpo.py (--plan: the plan instead); on_rollout: tools/diagnose.py's batch hook."""
     if run_cfg.plan:  # before anything loads
         print(Run.plan(cfg, run_cfg))
         return None

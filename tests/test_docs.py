@@ -8,6 +8,7 @@ package requirements.txt leaves out (vLLM, verl, W&B), [ci] is a test suite CI r
 Every other command runs, in the order the docs give them, from one clone: the quick start's run
 first, as the README has it."""
 
+import json
 import os
 import re
 import subprocess
@@ -117,6 +118,13 @@ def anchors(page: Path) -> set[str]:
     return out
 
 
+def notebook_anchors(notebook: Path) -> set[str]:
+    """The anchors a notebook's markdown cells set (<a id="...">), which its renderers keep."""
+    cells = json.loads(notebook.read_text())["cells"]
+    markdown = "".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    return set(re.findall(r'<a id="([^"]+)">', markdown))
+
+
 def test_every_relative_link_and_image_in_the_docs_resolves():
     broken = []
     for page in [*PAGES, *ROOT.glob("*/README.md")]:
@@ -130,6 +138,10 @@ def test_every_relative_link_and_image_in_the_docs_resolves():
                 broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
             elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
                 broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+            elif (
+                anchor and resolved.suffix == ".ipynb" and anchor not in notebook_anchors(resolved)
+            ):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such anchor)")
     assert not broken, "\n".join(broken)
 
 

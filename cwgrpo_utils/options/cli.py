@@ -39,6 +39,8 @@ OPTIONAL = {
     "trackio": ("trackio", "pip install trackio"),
     "trl": ("TRL", "pip install trl==1.16.0 (the version measured)"),
     "verl": ("verl", "pip install verl==0.9.1 math-verify, in a venv of its own (docs/verl.md)"),
+    "nbclient": ("nbclient", "pip install nbclient ipykernel"),
+    "ipykernel": ("ipykernel", "pip install nbclient ipykernel"),
 }
 
 
