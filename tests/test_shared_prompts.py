@@ -244,13 +244,14 @@ def test_a_groups_prompt_gradient_is_summed_in_the_same_order_every_time_on_two_
     runs of the tiny preset on two threads parted after about ten steps."""
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randn(8, 1, 40, 32, generator=generator) for _ in range(2)]  # keys, values
-    groups = (torch.arange(64) // 8)[torch.randperm(64, generator=generator)[:50]]  # by length
+    shuffled = torch.randperm(64, generator=generator)[:50]  # rows by length
+    group_of_row = (torch.arange(64) // 8)[shuffled]
     own = torch.randn(50, 1, 20, 32, generator=generator)  # the completions' own keys, values
     upstream = torch.randn(50, 1, 60, 32, generator=generator)
 
     def prompt_gradients() -> list[torch.Tensor]:
         keys, values = (p.clone().requires_grad_() for p in prompts)
-        cache = shared_prompt.PromptCache([SimpleNamespace(keys=keys, values=values)], groups)
+        cache = shared_prompt.PromptCache([SimpleNamespace(keys=keys, values=values)], group_of_row)
         keys_seen, values_seen = cache.update(own, own, layer_idx=0)  # (50, 1, 60, 32) each
         ((keys_seen + values_seen) * upstream).sum().backward()
         return [keys.grad, values.grad]

@@ -195,12 +195,12 @@ def write(
                 f'<span class="t" data-it="{i},{t}">{html.escape(token)}</span>'
                 for t, token in enumerate(tokens)
             )
-            score = ""
+            graded = ""
             if "reward" in view:
                 right = "correct" if view["correct"][i] else "wrong"
-                score = f"reward {view['reward'][i]:g} ({right}), "
+                graded = f"reward {view['reward'][i]:g} ({right}), "
             body.append(
-                f'<p class="meta">completion {i + 1}, {score}advantage '
+                f'<p class="meta">completion {i + 1}, {graded}advantage '
                 f'{view["adv"][i]:+.3f}</p><div class="completion">{spans}</div>'
             )
         body.append("</div>")
