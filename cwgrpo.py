@@ -583,6 +583,7 @@ def every_methods_weights(model, rows: Batch, cfg: Config, passes: Passes) -> di
     """(method, pass) -> (w x active, touched), "logp", cw's "score" on the rows (tokens.html)."""
     stats = token_stats(model, rows, cfg, passes, divergence=True)
     mask = rows.completion_mask
+    batch_entropy = stats.entropy[mask.bool()].sort().values  # every method's and pass's
     out = {"logp": stats.logp, "score": covariance_score(stats.logp, rows.advantages, mask)}
     for name, method in METHODS.items():
         for update_pass in range(method.update_passes):
@@ -592,7 +593,7 @@ def every_methods_weights(model, rows: Batch, cfg: Config, passes: Passes) -> di
                 advantages=rows.advantages,
                 mask=mask,
                 entropy=stats.entropy,
-                batch_entropy=stats.entropy[mask.bool()].sort().values,
+                batch_entropy=batch_entropy,
                 divergence=stats.divergence,
                 update_pass=update_pass,
             )
