@@ -716,8 +716,7 @@ def training_loop(cfg: Config, run_cfg: RunConfig, loaded: Loaded, grader, run: 
                 samples = sample(model, tokenizer, prompt_ids, cfg, passes=passes, engine=engine)
             # 2. Grade them, in worker processes that go on while the passes below run
             grading = grader.submit([(t, gold, "default") for t, gold in zip(samples.texts, golds)])
-            # 3. Their log-probs without gradient, under the rollout policy where the update
-            # reads them, and under the reference for the KL
+            # 3. Their log-probs without gradient: the rollout policy's where read, the reference's
             with run.phase("the log-prob passes", rollout_step):
                 old = None
                 if rollout_policy:  # with ict's divergence in the same pass
@@ -734,6 +733,7 @@ def training_loop(cfg: Config, run_cfg: RunConfig, loaded: Loaded, grader, run: 
         batch = Batch.of(samples, rewards, advantages, old=old, ref_logp=ref_logp)
         rollout_figures = metrics.rollout_metrics(samples, rewards, grades, cfg.group_size)
         run.rollout_scored(rollout_step, model=model, batch=batch)  # the token page; tools' hook
+        n_responses, n_tokens = len(batch.texts), int(batch.completion_mask.sum().clamp(min=1))
         for update_index in range(updates):
             step = (rollout_step - 1) * updates + update_index + 1  # the optimizer step
             update_pass = update_index % method.update_passes  # lopti: low-probability tokens first
@@ -756,8 +756,8 @@ def training_loop(cfg: Config, run_cfg: RunConfig, loaded: Loaded, grader, run: 
                             cfg,
                             sampler_logp=rows.sampler_logp,
                             ref_logp=rows.ref_logp,
-                            n_responses=len(batch.texts),  # the step's, so micro-batches add up
-                            n_tokens=int(batch.completion_mask.sum().clamp(min=1)),
+                            n_responses=n_responses,  # the step's, so micro-batches add up
+                            n_tokens=n_tokens,
                         )
                     scaler.scale(loss).backward()  # fp16: scaled up, so no gradient underflows
                     loss_sum += loss.item()
